@@ -1,0 +1,119 @@
+"""Facts about the installed stack, in one place.
+
+The strategy's error messages, the troubleshooter's doctor, lint and explain, and the docs all
+read these constants, so a fact is corrected once. Every entry records the version it was checked
+against. This module imports nothing heavy (no torch, deepspeed, lightning or transformers):
+interactive tools import it at start-up.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import NamedTuple
+
+#: Versions the facts below were checked against (site-packages source and measured runs).
+CHECKED_AGAINST = {
+    "deepspeed": "0.19.8",
+    "lightning": "2.6.6",
+    "torch": "2.13.0",
+    "transformers": "5.22.2",
+}
+
+#: The earliest DeepSpeed with AutoEP under ZeRO-3 that this project is tested against.
+MIN_DEEPSPEED = "0.19.8"
+
+#: AutoEP presets in deepspeed 0.19.8 (deepspeed/module_inject/auto_ep_presets/), keyed by the
+#: Hugging Face ``config.model_type`` that selects each one.
+AUTOEP_PRESETS_BY_MODEL_TYPE = {
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "minimax_m3": "minimax_m3",
+}
+
+#: deepspeed/runtime/engine.py ``_validate_zero3_moe_compatibility`` (0.19.8).
+NATIVE_MOE_ZERO3_MESSAGE = (
+    "Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.")
+#: The older wording of the same refusal, raised when stage 3 sees MoE layers but no AutoEP layer.
+LEGACY_MOE_ZERO3_MESSAGE = "MoE not supported with Stage 3"
+
+
+class KnownBadCombination(NamedTuple):
+    """Two package ranges that fail together, with the measured symptom."""
+
+    id: str
+    package: str
+    bad_from: str  # first bad version (inclusive)
+    with_package: str
+    with_version: str  # the exact version the failure was measured with
+    symptom: str
+    fix: str
+
+
+KNOWN_BAD_COMBINATIONS = (
+    KnownBadCombination(
+        id="transformers-5.23-autoep",
+        package="transformers",
+        bad_from="5.23.0",
+        with_package="deepspeed",
+        with_version="0.19.8",
+        symptom="TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3 were given "
+        "(raised by deepspeed.initialize when AutoEP converts a Hugging Face MoE model)",
+        fix="pip install 'transformers>=5.17,<5.23' (5.17.0, 5.20.2 and 5.22.2 were measured to work)",
+    ),
+)
+
+#: What each environment variable really does (checked in the installed sources).
+ENV_FACTS = {
+    "NCCL_TIMEOUT": (
+        "Read by nothing: not torch, not NCCL, not deepspeed, not lightning. Set the collective "
+        "timeout with ZeroMoEStrategy(timeout=timedelta(...)) or DEEPSPEED_TIMEOUT (minutes)."),
+    "DEEPSPEED_TIMEOUT": (
+        "Minutes; deepspeed's default_pg_timeout (deepspeed/constants.py, default 10). Lightning "
+        "passes its own timeout (default 30 min) to deepspeed.init_distributed, which wins for "
+        "the world group."),
+    "DS_BUILD_OPS": (
+        "DS_BUILD_OPS=1 pre-builds every compatible op while pip installs deepspeed. Unset or 0 "
+        "builds nothing at install time: ops are JIT-compiled on first use. It does not 'skip "
+        "compilation'."),
+    "TORCH_EXTENSIONS_DIR": (
+        "Where JIT-built ops are cached (default ~/.cache/torch_extensions). A 'lock' file left "
+        "there by a killed build makes the next build wait forever."),
+}
+
+
+def installed_version(package: str) -> str | None:
+    """The installed distribution version, without importing the package (fast)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"5.23.0.dev0"`` -> ``(5, 23, 0)``: enough to compare release numbers."""
+    parts: list[int] = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits or digits != piece:
+            if digits and piece.startswith(digits):
+                parts.append(int(digits))
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def known_bad_installed() -> list[KnownBadCombination]:
+    """The known-bad combinations that the installed packages fall into."""
+    found = []
+    for combo in KNOWN_BAD_COMBINATIONS:
+        have = installed_version(combo.package)
+        other = installed_version(combo.with_package)
+        if have is None or other is None:
+            continue
+        if (version_tuple(have) >= version_tuple(combo.bad_from)
+                and version_tuple(other) <= version_tuple(combo.with_version)):
+            found.append(combo)
+    return found

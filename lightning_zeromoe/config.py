@@ -1,0 +1,128 @@
+"""Building the DeepSpeed config for ZeRO + AutoEP, and merging the user's config into it.
+
+Pure functions: no torch, no DeepSpeed, no process group. The strategy calls them; the tests
+call them in milliseconds; the troubleshooter's lint can compare a user's config with them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+#: Bucket size the field notes recommend for MoE under stage 3 (elements, not bytes).
+DEFAULT_BUCKET_SIZE = 50_000_000
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """The ZeRO and AutoEP knobs the strategy exposes as constructor arguments."""
+
+    stage: int = 3
+    ep_size: int = 1
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    pin_memory: bool = False
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = DEFAULT_BUCKET_SIZE
+    allgather_bucket_size: int = DEFAULT_BUCKET_SIZE
+    prefetch_bucket_size: int = DEFAULT_BUCKET_SIZE
+    param_persistence_threshold: int = 100_000
+    gather_16bit_weights_on_save: bool = False
+    use_grouped_mm: bool | None = None  # None: let the strategy decide per device
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3 (or 'auto').")
+        if not isinstance(self.ep_size, int) or self.ep_size < 1:
+            raise ValueError(f"ep_size={self.ep_size!r} must be a positive integer (1 = no expert parallelism).")
+        if self.offload_parameters and self.stage != 3:
+            raise ValueError("offload_parameters=True needs stage=3: only ZeRO-3 partitions parameters.")
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive number of elements.")
+
+
+def zero_section(opts: ZeroOptions) -> dict[str, Any]:
+    """The ``zero_optimization`` section: overlap and contiguous gradients on, ~5e7 buckets."""
+    zero: dict[str, Any] = {
+        "stage": opts.stage,
+        "overlap_comm": opts.overlap_comm,
+        "contiguous_gradients": opts.contiguous_gradients,
+        "reduce_bucket_size": opts.reduce_bucket_size,
+        "allgather_bucket_size": opts.allgather_bucket_size,
+    }
+    if opts.stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": opts.prefetch_bucket_size,
+            "stage3_param_persistence_threshold": opts.param_persistence_threshold,
+            "stage3_gather_16bit_weights_on_model_save": opts.gather_16bit_weights_on_save,
+        })
+    if opts.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": opts.pin_memory}
+    if opts.offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": opts.pin_memory}
+    return zero
+
+
+def expert_parallel_section(opts: ZeroOptions, locate: Mapping[str, Any], use_grouped_mm: bool) -> dict[str, Any]:
+    """The AutoEP section: ``autoep_size`` plus the keys that locate the blocks."""
+    return {"enabled": True, "autoep_size": opts.ep_size, "use_grouped_mm": use_grouped_mm, **locate}
+
+
+def build_config(opts: ZeroOptions, locate: Mapping[str, Any] | None, *, use_grouped_mm: bool) -> dict[str, Any]:
+    """The strategy's own DeepSpeed config, before the user's config is merged over it."""
+    config: dict[str, Any] = {
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": zero_section(opts),
+    }
+    if locate is not None:
+        config["expert_parallel"] = expert_parallel_section(opts, locate, use_grouped_mm)
+    return config
+
+
+def load_user_config(config: str | Path | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A user config from a dict or a JSON file, with clear errors for the usual mistakes."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    path = Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config file not found: {path}. Pass a dict or an existing JSON path.")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}:{err.colno}: invalid JSON in DeepSpeed config: {err.msg}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object, got {type(loaded).__name__}.")
+    return loaded
+
+
+def merge_config(base: Mapping[str, Any], user: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """Deep-merge ``user`` over ``base``; the user wins. Returns the result and one line per override."""
+    merged = copy.deepcopy(dict(base))
+    notes: list[str] = []
+    _merge_into(merged, user or {}, "", notes)
+    return merged, notes
+
+
+def _merge_into(target: dict[str, Any], source: Mapping[str, Any], prefix: str, notes: list[str]) -> None:
+    for key, value in source.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _merge_into(target[key], value, path + ".", notes)
+            continue
+        if key in target and target[key] != value:
+            notes.append(f"{path}: {target[key]!r} -> {value!r} (from your config)")
+        target[key] = copy.deepcopy(value)
+
+
+def zero_stage(config: Mapping[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
