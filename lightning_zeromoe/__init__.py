@@ -7,6 +7,9 @@ package itself, or its light modules (``compat``, ``config``, ``validation``, ``
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -31,3 +34,42 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+# ``Trainer(strategy="zero_moe")`` needs the name in Lightning's StrategyRegistry. Registering means
+# importing Lightning (~5 s), which the troubleshooter's start path must not pay; so register now if
+# Lightning's strategies are already loaded, else the moment they finish loading.
+_STRATEGIES = "lightning.pytorch.strategies"
+
+
+def _register(registry: Any) -> None:
+    from lightning_zeromoe.strategy import ZeroMoEStrategy
+
+    if ZeroMoEStrategy.strategy_name not in registry:
+        ZeroMoEStrategy.register_strategies(registry)
+
+
+class _RegisterOnLightningImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register` right after ``lightning.pytorch.strategies`` executes."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _STRATEGIES:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _register(module.StrategyRegistry)
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+if _STRATEGIES in sys.modules:
+    _register(sys.modules[_STRATEGIES].StrategyRegistry)
+elif not any(isinstance(f, _RegisterOnLightningImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterOnLightningImport())

@@ -22,8 +22,6 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from lightning_zeromoe.compat import AUTOEP_PRESETS_BY_MODEL_TYPE
-
 
 @dataclass(frozen=True)
 class MoEPattern:
@@ -142,7 +140,7 @@ def _hf_models(root: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
     taken: list[str] = []
     for name, module in root.named_modules():
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        preset = AUTOEP_PRESETS_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+        preset = _preset_for_model_type(model_type) if isinstance(model_type, str) else None
         if preset is None or any(name.startswith(t + ".") or t == "" for t in taken):
             continue
         taken.append(name)
@@ -171,6 +169,22 @@ def _from_hf_model(root: nn.Module) -> Discovery | None:
     if path or relative != preset.moe_layer_pattern:
         autoep["moe_layer_pattern"] = _prefix(path) + relative
     return Discovery(source=f"hf:{preset_name}", blocks=blocks, autoep=autoep, root_config=model.config)
+
+
+def _preset_for_model_type(model_type: str) -> str | None:
+    """The AutoEP preset that AutoEP itself would pick for an HF ``config.model_type``.
+
+    Asked of DeepSpeed's own registry (each preset's ``hf_model_types``) rather than a copy of
+    it, because the preset *name* is not the model type: ``qwen3_5_moe`` converts the text
+    backbone ``qwen3_5_moe_text``, ``minimax_m3`` converts ``minimax_m3_vl_text``, and
+    ``qwen3_moe`` also covers ``qwen2_moe``. The composite configs (``qwen3_5_moe``,
+    ``minimax_m3_vl``) map to no preset, which AutoEP refuses at initialize; returning None for
+    them lets the search descend to the text backbone inside, whose config AutoEP accepts.
+    Imported lazily: only modules that carry an HF config get here, and they need DeepSpeed anyway.
+    """
+    from deepspeed.module_inject.auto_ep_presets.registry import preset_name_for_hf_model_type
+
+    return preset_name_for_hf_model_type(model_type)
 
 
 def _autoep_preset(name: str) -> Any:

@@ -30,7 +30,8 @@ from torch.nn import Module
 
 from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, build_config, load_user_config, merge_config
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
-from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
+from lightning_zeromoe.validation import (Layout, ZeroMoEConfigError, check_batch_arithmetic, check_ep_divides_world,
+                                          check_layout)
 
 if TYPE_CHECKING:
     import deepspeed
@@ -119,6 +120,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         strategy_registry.register(cls.strategy_name, cls, description="DeepSpeed ZeRO-3 + expert parallelism (AutoEP)")
 
     # ------------------------------------------------------------------ hooks
+
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this once devices and nodes are known and before any rank is launched:
+        # the earliest point where an impossible ep_size can be refused, in the user's own process.
+        check_ep_divides_world(self.options.ep_size, self.num_nodes * self.num_processes)
+        super()._configure_launcher()
 
     def setup_environment(self) -> None:
         self.prepare()

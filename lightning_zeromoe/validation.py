@@ -38,7 +38,7 @@ def check_layout(layout: Layout, found: Discovery) -> list[str]:
     """Errors for impossible ep_size / top_k / native MoE; returns warnings for poor choices."""
     _check_native_moe(layout, found)
     _check_blocks_found(layout, found)
-    _check_ep_divides_world(layout)
+    check_ep_divides_world(layout.ep_size, layout.world_size)
     _check_experts(layout, found)
     return _layout_warnings(layout, found)
 
@@ -63,12 +63,13 @@ def _check_blocks_found(layout: Layout, found: Discovery) -> None:
             f"or use ep_size=1. Modules that look MoE-like:\n  {where}")
 
 
-def _check_ep_divides_world(layout: Layout) -> None:
-    if layout.world_size % layout.ep_size:
+def check_ep_divides_world(ep_size: int, world_size: int) -> None:
+    """Expert-parallel groups of ``ep_size`` ranks must tile the world."""
+    if world_size % ep_size:
         raise ZeroMoEConfigError(
-            f"ep_size={layout.ep_size} does not divide the world size {layout.world_size}: experts are split "
-            f"over groups of ep_size ranks and the groups must tile the world. Use one of "
-            f"{[d for d in divisors(layout.world_size) if d > 0]} or change devices/num_nodes.")
+            f"ep_size={ep_size} does not divide the world size {world_size} (devices x num_nodes): experts "
+            f"are split over groups of ep_size ranks and the groups must tile the world. Use one of "
+            f"{divisors(world_size)}, or change devices/num_nodes.")
 
 
 def _check_experts(layout: Layout, found: Discovery) -> None:

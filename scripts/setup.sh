@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv and install lightning-zeromoe with the right torch for this machine.
+#   bash scripts/setup.sh        # the package + Hugging Face extra (runs the demo)
+#   bash scripts/setup.sh test   # ... + the test extra
+# torch comes first: a bare `pip install torch` (or deepspeed pulling it in) fetches a multi-GB CUDA
+# build even on machines without a GPU. Override with TORCH_SPEC / TORCH_INDEX_URL.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="hf"
+[ "${1:-}" = "test" ] && extras="hf,test"
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+
+if .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') already installed"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: GPU found: installing the CUDA build of $TORCH_SPEC from PyPI"
+  pip install -q "$TORCH_SPEC"
+elif pip install -q --no-index "$TORCH_SPEC" 2>/dev/null; then
+  echo "setup: no GPU: installed $TORCH_SPEC from a local wheel (find-links)"
+else
+  echo "setup: no GPU: installing the CPU build of $TORCH_SPEC"
+  pip install -q "$TORCH_SPEC" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+fi
+
+pip install -q -e ".[${extras}]"
+
+# DeepSpeed's CPU accelerator JIT-compiles a shared-memory comm op on first use (~2 min on 2 cores,
+# cached in the torch extensions dir). Build it now, once, rather than inside the first training run.
+if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); then
+  echo "setup: building DeepSpeed's CPU comm op (one time; cached under ~/.cache/torch_extensions)"
+  DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
+    2>&1 | grep -v "^\[" || true
+fi
+echo "setup: done ($(.venv/bin/python -c 'import torch, deepspeed, lightning; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, lightning {lightning.__version__}")'))"

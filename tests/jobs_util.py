@@ -1,0 +1,40 @@
+"""Running the multi-process jobs in tests/jobs as real subprocesses, and reading what they wrote.
+
+Lightning starts the other ranks by re-running the launching script, so a 2-rank run cannot live
+inside pytest's own process: each test launches a job script and reads its per-rank JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+JOBS = Path(__file__).parent / "jobs"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores: no oversubscription
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a command; on failure, show its output in the assertion message."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=cwd or REPO)
+    return proc
+
+
+def run_job(script: str, *args: str, timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [*(launcher or [sys.executable]), str(JOBS / script), *args]
+    proc = run(cmd, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_ranks(out: Path, world_size: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -1,0 +1,53 @@
+"""The strategy under each launcher we can run on CPU, and the README's demo command.
+
+Real subprocesses: `python script.py` (Lightning starts rank 1 by re-running the script),
+`torchrun --nproc_per_node 2`, and a failing launch that must exit on every rank, not hang.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from jobs_util import JOBS, REPO, read_ranks, run, run_job
+
+
+def test_torchrun_two_processes(tmp_path):
+    """torchrun starts both ranks; Lightning picks up its environment (TorchElasticEnvironment)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    run_job("train_tiny.py", "--out", str(tmp_path), "--steps", "3", launcher=launcher)
+    ranks = read_ranks(tmp_path, 2)
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert all(len(r["steps"]) == 3 for r in ranks)
+    experts = ranks[0]["held"]["model.layers.0.mlp.experts.w1"]
+    assert experts["ds_shape"][0] == 2
+
+
+def test_bad_expert_count_fails_fast_on_every_rank(tmp_path):
+    """3 experts with ep_size=2: every rank stops in setup_environment with our message, no hang."""
+    proc = run([sys.executable, str(JOBS / "train_tiny.py"), "--out", str(tmp_path), "--num-experts", "3"], timeout=180)
+    assert proc.returncode != 0
+    assert "ZeroMoEConfigError: ep_size=2 does not divide num_experts=3" in proc.stderr
+    assert "deepspeed/runtime" not in proc.stderr, "the error should come before any DeepSpeed engine code runs"
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+def readme_demo_command() -> list[str]:
+    """The python invocation in the README's first command (after its setup step)."""
+    first = next(line for line in (REPO / "README.md").read_text().splitlines() if "lightning_zeromoe.demo" in line)
+    match = re.search(r"python -m lightning_zeromoe\.demo[^`&;]*", first)
+    assert match, f"no demo invocation in README line: {first}"
+    return shlex.split(match.group(0).strip())[1:]
+
+
+def test_readme_demo_command_runs(tmp_path):
+    args = readme_demo_command()
+    proc = run([sys.executable, *args, "--out", str(tmp_path / "demo")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"throughput: [\d,]+ tokens/s", out), out[-2000:]
+    assert re.search(r"model\.layers\.0\.mlp\s+e0:\s*\d+\.\d%", out)
+    assert "rank 1:" in out and "checkpoint saved" in out
+    assert (tmp_path / "demo" / "checkpoint" / "checkpoint").is_dir()

@@ -1,0 +1,128 @@
+"""Each bad setting is refused (or warned about) before any process group or engine exists.
+
+These run in pytest's own process: the strategy is attached to a real Trainer and LightningModule,
+and ``prepare()`` is the very method ``setup_environment`` calls on every rank.
+"""
+
+from __future__ import annotations
+
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_zeromoe import MoEPattern, ZeroMoEStrategy
+from lightning_zeromoe.discovery import discover
+from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_layout
+
+
+def prepared(module: L.LightningModule, devices: int = 2, num_nodes: int = 1, **kwargs) -> ZeroMoEStrategy:
+    strategy = ZeroMoEStrategy(**kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False)
+    module.trainer = trainer
+    strategy.connect(module)
+    strategy.prepare()
+    return strategy
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_after():
+    yield
+    assert not torch.distributed.is_initialized(), "validation must not create a process group"
+
+
+def test_ep_size_must_divide_world_size_refused_at_trainer_construction():
+    with pytest.raises(ZeroMoEConfigError, match=r"ep_size=3 does not divide the world size 2.*\[1, 2\]"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=ZeroMoEStrategy(ep_size=3), logger=False)
+
+
+def test_ep_size_must_divide_expert_count():
+    with pytest.raises(ZeroMoEConfigError, match=r"ep_size=2 does not divide num_experts=3 in 'model.layers.0.mlp'.*\[1, 3\]"):
+        prepared(TinyMoEModule(TinyMoEConfig(num_experts=3)), ep_size=2)
+
+
+def test_top_k_larger_than_expert_count():
+    pattern = MoEPattern(block=r"model\.layers\.\d+\.mlp", top_k=8)
+    with pytest.raises(ZeroMoEConfigError, match=r"top_k=8 exceeds num_experts=4"):
+        prepared(TinyMoEModule(), ep_size=2, moe_pattern=pattern)
+
+
+def test_ep_size_beyond_one_node_warns():
+    with pytest.warns(UserWarning, match=r"ep_size=4 is larger than the 2 devices per node"):
+        prepared(TinyMoEModule(), devices=2, num_nodes=2, ep_size=4)
+
+
+class DenseModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert_mixer = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+
+def test_no_moe_blocks_with_ep_lists_candidates():
+    with pytest.raises(ZeroMoEConfigError, match=r"(?s)ep_size=2 but no MoE block was found.*MoEPattern.*expert_mixer \(Linear\)"):
+        prepared(DenseModule(), ep_size=2)
+
+
+class NativeMoEModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1, k=1)
+
+
+def test_native_deepspeed_moe_under_stage3_names_both_ways_out():
+    with pytest.raises(ZeroMoEConfigError, match=r"(?s)native deepspeed.moe.layer.MoE.*AutoEP.*stage=2"):
+        prepared(NativeMoEModule(), ep_size=1)
+
+
+def test_native_moe_is_allowed_under_stage2():
+    strategy = prepared(NativeMoEModule(), ep_size=1, stage=2)
+    assert strategy.config["zero_optimization"]["stage"] == 2
+    assert "expert_parallel" not in strategy.config
+
+
+def test_batch_arithmetic_mismatch():
+    config = {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}
+    with pytest.raises(ZeroMoEConfigError, match=r"train_batch_size=10 but .* 4 x 1 x 2 = 8"):
+        prepared(TinyMoEModule(), ep_size=2, config=config)
+
+
+def test_batch_arithmetic_consistent_passes_and_user_config_wins(caplog):
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"reduce_bucket_size": 1000}}
+    strategy = prepared(TinyMoEModule(), ep_size=2, config=config)
+    assert strategy.config["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert strategy.config["zero_optimization"]["stage"] == 3
+    assert strategy.config["expert_parallel"]["autoep_size"] == 2
+
+
+def test_fp16_with_moe_warns_bf16():
+    found = discover(TinyMoEModule())
+    warnings_ = check_layout(Layout(world_size=2, devices_per_node=2, ep_size=2, stage=3, precision="16-mixed"), found)
+    assert any("bf16" in w for w in warnings_)
+    assert not check_layout(Layout(world_size=2, devices_per_node=2, ep_size=2, stage=3, precision="bf16-mixed"), found)
+
+
+def test_config_file_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="DeepSpeed config file not found"):
+        ZeroMoEStrategy(config=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 3,}}')
+    with pytest.raises(ValueError, match=r"bad.json:1:\d+: invalid JSON"):
+        ZeroMoEStrategy(config=bad)
+
+
+def test_strategy_registered_by_name():
+    trainer = L.Trainer(strategy="zero_moe", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, ZeroMoEStrategy)
+
+
+def test_self_described_tiny_model_pattern_is_rooted_at_the_lightning_module():
+    found = discover(TinyMoEModule())
+    assert found.source == "self-described"
+    assert [b.path for b in found.blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert found.autoep["moe_layer_pattern"] == r"model\.layers\.\d+\.mlp"
+    assert found.autoep["top_k"] == 2
