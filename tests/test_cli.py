@@ -1,0 +1,158 @@
+"""The real CLI, run as a subprocess: output, exit codes, plain vs terminal output, light imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+SEEDS = FIXTURES / "seed_configs"
+TRACEBACKS = FIXTURES / "tracebacks"
+HEAVY = ("torch", "deepspeed", "lightning", "transformers", "pytorch_lightning")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The CLI's environment: this session's schema cache (shared with test_lint.py), no colour."""
+    cache = tmp_path_factory.getbasetemp() / "ds_cache"
+    return {**os.environ, "TROUBLESHOOTER_CACHE_DIR": str(cache), "NO_COLOR": "1"}
+
+
+def run(args, env, *, stdin: str | bytes | None = None, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "troubleshooter", *args], input=stdin,
+                          capture_output=True, text=not isinstance(stdin, bytes), timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def test_importing_the_cli_loads_no_heavy_library():
+    code = ("import sys, troubleshooter.cli, troubleshooter.explain, troubleshooter.knowledge, "
+            "troubleshooter.lint, troubleshooter.render, troubleshooter.ds_schema; "
+            "troubleshooter.knowledge.load_entries(); "
+            f"print([m for m in sys.modules if m.split('.')[0] in {HEAVY!r}])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_explain_file_prints_diagnosis_and_exits_0(env):
+    proc = run(["explain", str(TRACEBACKS / "real_autoep_top_k.txt")], env)
+    assert proc.returncode == 0, proc.stderr
+    assert "[autoep-top-k-undetermined]" in proc.stdout and "expert_parallel" in proc.stdout
+    assert "\x1b[" not in proc.stdout  # plain when not a terminal
+
+
+def test_explain_stdin_json(env):
+    text = (TRACEBACKS / "issue_nccl_watchdog_old.txt").read_text()
+    proc = run(["explain", "-", "--json"], env, stdin=text)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["source"] == "<stdin>"
+    assert data["diagnoses"][0]["id"] == "nccl-watchdog-timeout"
+    assert data["diagnoses"][0]["details"]["ran_ms"] == "25624887"
+
+
+def test_explain_unknown_input_says_so_and_exits_1(env):
+    proc = run(["explain", "-"], env, stdin="Epoch 1: loss 0.5\nall fine\n")
+    assert proc.returncode == 1
+    assert "No known problem found" in proc.stdout and "python -m troubleshooter doctor" in proc.stdout
+
+
+def test_explain_binary_huge_input_does_not_crash(env, tmp_path):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(6 * 1024 * 1024))
+    proc = run(["explain", str(blob)], env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "read the last 4 MiB" in proc.stdout
+
+
+def test_explain_missing_file_exits_2_with_one_line(env, tmp_path):
+    proc = run(["explain", str(tmp_path / "missing.log")], env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "missing.log" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_lint_seed_config_json_exits_1(env):
+    proc = run(["lint", str(SEEDS / "seed002_zero3_moe.json"), "--world-size", "8", "--json"], env)
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["errors"] == 1
+    rules = {(f["rule"], f["severity"]) for f in data["findings"]}
+    assert ("native-moe-zero3", "error") in rules and ("fp16-moe", "warning") in rules
+
+
+def test_lint_clean_config_exits_0(env):
+    proc = run(["lint", str(SEEDS / "lightning_stage3_offload.json")], env)
+    assert proc.returncode == 0, proc.stderr
+    assert "aio.thread_count" in proc.stdout
+
+
+def test_lint_malformed_json_exits_2_with_position(env, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 3,}\n}')
+    proc = run(["lint", str(bad)], env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {bad}:1:35: invalid JSON: Expecting property name enclosed in double quotes"
+
+
+def test_lint_json_error_is_machine_readable(env, tmp_path):
+    proc = run(["lint", str(tmp_path / "none.json"), "--json"], env)
+    assert proc.returncode == 2 and json.loads(proc.stdout) == {"error": f"{tmp_path / 'none.json'}: no such file"}
+
+
+@pytest.mark.parametrize("args", [["lint"], ["lint", "x.json", "--world-size", "0"], ["frobnicate"], []])
+def test_bad_arguments_exit_2(env, args):
+    assert run(args, env).returncode == 2
+
+
+def _run_in_terminal(args, env, timeout=60.0) -> str:
+    """Run the CLI with a pseudo-terminal as stdout, to see what a user's terminal gets."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "troubleshooter", *args], stdout=slave,
+                            stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], timeout)
+        if not ready:
+            proc.kill()
+            break
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=timeout)
+    os.close(master)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_terminal_output_has_colours_icons_and_a_table(env):
+    tty_env = {k: v for k, v in env.items() if k != "NO_COLOR"}
+    out = _run_in_terminal(["lint", str(SEEDS / "seed000_zero3_moe_offload.json")], tty_env)
+    assert "\x1b[" in out and "✖" in out and "┃" in out  # colour, icon, table border
+    plain = _run_in_terminal(["lint", str(SEEDS / "seed000_zero3_moe_offload.json")], env)
+    assert "\x1b[3" not in plain and "[ERROR]" in plain  # NO_COLOR in a terminal: plain
+
+
+@pytest.mark.skipif(importlib.util.find_spec("troubleshooter.doctor") is None,
+                    reason="troubleshooter.doctor is written by another helper and not present yet")
+def test_doctor_subcommand_is_delegated(env):
+    """The CLI adds doctor's own options (add_arguments) and hands over to doctor.main."""
+    proc = run(["doctor", "--help"], env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--json" in proc.stdout
+    import troubleshooter.doctor as doctor
+
+    assert callable(doctor.add_arguments) and callable(doctor.main)

@@ -1,0 +1,185 @@
+"""The knowledge base: schema, required entries, and that every pattern is exercised by real text.
+
+Fixtures under tests/fixtures/tracebacks/ are real: ``real_*`` were captured by
+tests/fixtures/make_tracebacks.py from failures provoked on this CPU stack, ``issue_*`` are
+verbatim excerpts of public issues (their first line names the issue). Messages that cannot be
+provoked here (GPU, NCCL, InfiniBand, a newer transformers) are in INLINE_SAMPLES; each is built
+from the installed library's own message text or quotes a public report, as its comment says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_zeromoe import compat
+from troubleshooter import knowledge
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tracebacks"
+REQUIRED_IDS = {
+    "cuda-oom", "cpu-oom", "nccl-watchdog-timeout", "nccl-timeout-env-ignored", "subgroup-timeout",
+    "cuda-version-mismatch", "cuda-home-missing", "ninja-missing", "missing-compiler",
+    "extension-build-error", "stale-extension-lock", "ds-build-ops-meaning", "native-moe-zero3",
+    "moe-param-groups", "zero3-param-not-available", "zero3-inflight-params",
+    "autoep-no-moe-layers", "autoep-top-k-undetermined", "autoep-transformers-5.23",
+    "autoep-load-balance-coeff", "device-mismatch", "moe-config-block-ignored", "batch-arithmetic",
+    "fp16-moe", "offload-last-resort", "zero3-overlap-comm", "ep-size-divisibility",
+    "bucket-size-range", "gather-16bit-on-save", "router-collapse", "nccl-p2p-ib-disabled",
+    "shm-too-small", "memlock-limit", "unknown-config-key",
+}
+
+#: Messages that cannot be provoked on this machine, with where each one's wording comes from.
+INLINE_SAMPLES = {
+    # transformers >= 5.23 with deepspeed 0.19.8: the measured symptom kept in compat.py.
+    "autoep-transformers-5.23": [compat.KNOWN_BAD_COMBINATIONS[0].symptom],
+    # NCCL's own log line (NCCL_DEBUG=INFO) for an environment override.
+    "nccl-p2p-ib-disabled": ["host:1:1 [0] NCCL INFO NCCL_P2P_DISABLE set by environment to 1."],
+    # A launch script echoing its environment.
+    "nccl-timeout-env-ignored": ["+ export NCCL_TIMEOUT=7200"],
+    # GNU toolchain / setuptools wording.
+    "missing-compiler": ["/bin/sh: 1: x86_64-linux-gnu-gcc: not found",
+                         "error: command 'gcc' failed: No such file or directory",
+                         "fatal error: Python.h: No such file or directory"],
+    # DeepSpeed prints the user config at start-up; a seed-style block in it.
+    "moe-config-block-ignored": ['json = {"moe": {"enable": true, "ep_size": 2}}'],
+    # torch's DataLoader worker bus-error message (a string in libtorch_python).
+    "shm-too-small": ["ERROR: Unexpected bus error encountered in worker. This might be caused by "
+                      "insufficient shared memory (shm)."],
+}
+
+
+def _site_packages() -> Path:
+    import importlib.util
+
+    return Path(importlib.util.find_spec("rich").origin).parent.parent  # rich is light to locate
+
+
+def _source_message(relpath: str, start: str, **values: str) -> str:
+    """The string literal containing ``start`` in an installed library's source, with its
+    f-string placeholders filled from ``values`` (by expression text) or with "7"."""
+    source = (_site_packages() / relpath).read_text()
+    literal = re.search(r'"([^"\n]*' + re.escape(start) + r'[^"\n]*)"', source).group(1)
+    return re.sub(r"\{([^}]*)\}", lambda m: values.get(m.group(1), "7"), literal)
+
+
+def _from_sources() -> dict[str, list[str]]:
+    """Samples rebuilt from the installed deepspeed / torch sources (so the wording is theirs)."""
+    return {
+        "fp16-moe": [_source_message("deepspeed/runtime/fp16/loss_scaler.py", "[deepspeed] OVERFLOW! Rank")],
+        "gather-16bit-on-save": [_source_message("deepspeed/runtime/engine.py", "Did not save the model")],
+        "zero3-inflight-params": [_source_message("deepspeed/runtime/zero/partitioned_param_coordinator.py",
+                                                  "Invalidate trace cache @ step {self.__step_id}: ")],
+        "cuda-home-missing": [_source_message("deepspeed/ops/op_builder/builder.py", "Unable to run {nvcc}",
+                                              nvcc="/usr/local/cuda/bin/nvcc")],
+    }
+
+
+def _corpus() -> list[tuple[str, str]]:
+    texts = [(p.name, p.read_text(errors="replace")) for p in sorted(FIXTURES.glob("*.txt"))]
+    for entry_id, samples in {**INLINE_SAMPLES, **_from_sources()}.items():
+        texts += [(f"inline:{entry_id}", s) for s in samples]
+    return texts
+
+
+def test_required_entries_exist_and_are_complete():
+    entries = knowledge.load_entries()
+    assert REQUIRED_IDS <= {e.id for e in entries}
+    for e in entries:
+        assert e.family in knowledge.FAMILIES and e.severity in knowledge.SEVERITIES
+        assert e.title and e.cause and e.fix and e.symptoms and e.sources
+        assert re.search(r"\d+\.\d+", e.checked_against), f"{e.id}: checked_against names no version"
+        assert len(e.compiled) == len(e.patterns) == len(e.anchors)
+        if e.patch_kind == "json":
+            assert isinstance(e.patch_json(), dict)
+        elif e.patch_kind == "diff":
+            assert e.patch.lstrip().startswith("---")
+
+
+def test_every_entry_with_patterns_is_matched_by_real_text():
+    corpus = _corpus()
+    matched = {m.entry.id for _, text in corpus for m in knowledge.match(text)}
+    with_patterns = {e.id for e in knowledge.load_entries() if e.patterns}
+    assert with_patterns - matched == set()
+
+
+def test_anchor_prefilter_never_hides_a_match():
+    """Each pattern's anchor must occur in every text the bare regex matches."""
+    for _, text in _corpus():
+        lowered = text.lower()
+        for e in knowledge.load_entries():
+            for pattern, anchor in zip(e.compiled, e.anchors):
+                if pattern.search(text):
+                    assert anchor in lowered, (e.id, pattern.pattern, anchor)
+
+
+def test_compat_messages_are_recognised():
+    """The strategy raises compat's wording; explain must recognise it."""
+    for message in (compat.NATIVE_MOE_ZERO3_MESSAGE, f"AssertionError: {compat.LEGACY_MOE_ZERO3_MESSAGE}"):
+        assert [m.entry.id for m in knowledge.match(message)] == ["native-moe-zero3"]
+
+
+def test_minor_cuda_mismatch_that_deepspeed_accepts_is_not_flagged():
+    accepted = ("Installed CUDA version 12.4 does not match the version torch was compiled with 12.1 "
+                "but since the APIs are compatible, accepting this combination")
+    assert "cuda-version-mismatch" not in {m.entry.id for m in knowledge.match(accepted)}
+    refused = accepted.split(" but since")[0].replace("12.4", "11.8") + ", unable to compile"
+    assert "cuda-version-mismatch" in {m.entry.id for m in knowledge.match(refused)}
+
+
+def test_torch_cuda_mismatch_message_from_torch_source():
+    source = (_site_packages() / "torch/utils/cpp_extension.py").read_text()
+    block = re.search(r"CUDA_MISMATCH_MESSAGE = \(\s*((?:\"[^\"]*\"\s*)+)\)", source).group(1)
+    message = "".join(re.findall(r'"([^"]*)"', block)) % ("12.0", "11.8")
+    hits = knowledge.match(f"RuntimeError: {message}")
+    assert hits[0].entry.id == "cuda-version-mismatch"
+    assert hits[0].details == {"system": "12.0", "torch": "11.8"}
+
+
+def test_get_unknown_id_suggests_close_ids():
+    assert knowledge.get("cuda-oom").id == "cuda-oom"
+    with pytest.raises(KeyError, match="cuda-oom"):
+        knowledge.get("cuda-om")
+
+
+def _write_entry(tmp_path: Path, name: str, **changes) -> Path:
+    fields = {
+        "id": name, "title": "t", "family": "config", "severity": "info",
+        "checked_against": "deepspeed 0.19.8", "symptoms": ["s"], "patterns": ["abc"],
+        "cause": "c", "fix": ["f"], "sources": ["x"],
+    }
+    fields.update(changes)
+    lines = []
+    for key, value in fields.items():
+        if value is not None:
+            lines.append(f"{key} = {json.dumps(value)}")
+    path = tmp_path / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"family": "gpu"}, "family"),
+    ({"severity": "fatal"}, "severity"),
+    ({"cause": None}, "cause"),
+    ({"fix": []}, "fix"),
+    ({"patterns": ["(unclosed"]}, "patterns"),
+    ({"patch": "{not json", "patch_kind": "json"}, "patch"),
+    ({"patch": "{}"}, "patch_kind"),
+    ({"id": "other"}, "id"),
+    ({"colour": "red"}, "colour"),
+])
+def test_schema_violations_name_file_and_field(tmp_path, changes, field):
+    path = _write_entry(tmp_path, "bad-entry", **changes)
+    with pytest.raises(knowledge.KnowledgeError, match=rf"bad-entry\.toml: field '{field}'"):
+        knowledge.load_entry(path)
+
+
+def test_match_ranks_cause_before_timeout_echo():
+    """An OOM on one rank makes the others time out: the OOM must come first."""
+    oom = (FIXTURES / "issue_cuda_oom_new_format.txt").read_text()
+    timeout = (FIXTURES / "issue_nccl_watchdog_new.txt").read_text()
+    ranked = [m.entry.id for m in knowledge.match(oom + timeout)]
+    assert ranked[:2] == ["cuda-oom", "nccl-watchdog-timeout"]

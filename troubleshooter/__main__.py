@@ -1,0 +1,7 @@
+"""``python -m troubleshooter``: see ``troubleshooter.cli``."""
+
+import sys
+
+from troubleshooter.cli import main
+
+sys.exit(main())

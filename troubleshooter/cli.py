@@ -1,0 +1,235 @@
+"""Command line: ``python -m troubleshooter {doctor,lint,explain}``.
+
+Exit codes, the same for every subcommand:
+  0  nothing fails (lint: no error-severity finding; explain: a diagnosis was printed),
+  1  a failure was found (lint: at least one error finding; doctor: a failing check;
+     explain: nothing in the input matched a known problem, so the tool could not help),
+  2  bad arguments or unreadable input (missing file, malformed JSON, a wrong type).
+
+Why explain exits 1 when nothing matched: scripts and notebooks can then tell "here is the
+diagnosis" from "unknown problem, look elsewhere" without parsing text.
+
+``doctor`` is delegated to ``troubleshooter.doctor`` (``add_arguments`` / ``main``), imported only
+when that subcommand is used, so ``lint`` and ``explain`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from rich.console import Console
+
+from troubleshooter import __version__, explain, lint, render
+
+__all__ = ["build_parser", "main"]
+
+EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+DOCTOR_HINT = "python -m troubleshooter doctor"
+
+
+# ----------------------------------------------------------------------------------------------
+# lint
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_lint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lint", help="check a DeepSpeed JSON config",
+                       description="Check a DeepSpeed JSON config (Lightning-generated ones too) "
+                                   "against the installed DeepSpeed and known pitfalls.")
+    p.add_argument("config", help="path to the DeepSpeed JSON config")
+    p.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
+                   help="number of ranks, to check batch arithmetic and ep_size divisibility")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_run_lint)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _run_lint(args: argparse.Namespace) -> int:
+    try:
+        findings = lint.lint_path(args.config, world_size=args.world_size)
+    except lint.LintInputError as err:
+        return _input_error(str(err), args.json)
+    errors = sum(f.severity == "error" for f in findings)
+    if args.json:
+        render.print_json({"source": args.config, "world_size": args.world_size,
+                           "errors": errors, "findings": [f.to_dict() for f in findings]})
+    else:
+        _print_findings(render.console(), args.config, findings)
+    return EXIT_FOUND if errors else EXIT_OK
+
+
+def _print_findings(con: Console, source: str, findings: list[lint.Finding]) -> None:
+    """A table in a terminal; one block per finding when plain (pipes, logs, NO_COLOR)."""
+    if not findings:
+        con.print(f"{source}: no findings.", markup=False)
+        return
+    if render.is_plain(con):
+        for f in findings:
+            con.print(render.label(f.severity, con), f"{f.path or '-'} [{f.rule}]: {f.message}",
+                      markup=False)
+            con.print(f"    fix: {f.fix}", markup=False)
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"lint {source}", show_lines=True)
+        for column, ratio in (("severity", 1), ("path", 2), ("problem", 5), ("fix", 3), ("rule", 2)):
+            table.add_column(column, overflow="fold", ratio=ratio)
+        for f in findings:
+            table.add_row(render.label(f.severity, con), f.path or "-", f.message, f.fix, f.rule)
+        con.print(table)
+    counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    con.print(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())
+              + ". Each rule is a knowledge-base entry (troubleshooter/knowledge/entries/RULE.toml).")
+
+
+# ----------------------------------------------------------------------------------------------
+# explain
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_explain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="diagnose a traceback or log",
+                       description="Match a traceback or training log against the knowledge base "
+                                   "and print the diagnosis and the fix.")
+    p.add_argument("source", nargs="?", default="-",
+                   help="log or traceback file; '-' (default) reads standard input")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(handler=_run_explain)
+
+
+def _run_explain(args: argparse.Namespace) -> int:
+    if args.source == "-" and sys.stdin.isatty():
+        return _input_error("explain: give a file, or pipe a log into standard input "
+                            "(python train.py 2>&1 | python -m troubleshooter explain -)", args.json)
+    try:
+        data = explain.read_input(args.source)
+    except explain.ExplainInputError as err:
+        return _input_error(str(err), args.json)
+    diagnoses = explain.explain_text(data.text)
+    name = "<stdin>" if args.source == "-" else args.source
+    if args.json:
+        render.print_json({"source": name, "bytes": data.total_bytes, "truncated": data.truncated,
+                           "binary": data.binary, "diagnoses": [d.to_dict() for d in diagnoses]})
+    else:
+        _print_diagnoses(render.console(), name, data, diagnoses)
+    return EXIT_OK if diagnoses else EXIT_FOUND
+
+
+def _print_diagnoses(con: Console, name: str, data: explain.Input,
+                     diagnoses: list[explain.Diagnosis]) -> None:
+    if data.truncated:
+        con.print(f"(read the last {explain.MAX_BYTES // 2**20} MiB of {data.total_bytes} bytes)")
+    if not diagnoses:
+        kind = "binary data" if data.binary else f"{data.text.count(chr(10)) + 1} lines"
+        con.print(f"No known problem found in {name} ({kind} read). The knowledge base does not "
+                  f"recognise this error. Check the environment with `{DOCTOR_HINT}`.")
+        return
+    for i, d in enumerate(diagnoses, 1):
+        _print_diagnosis(con, i, d)
+    con.print(f"If this does not solve it, check the environment with `{DOCTOR_HINT}`.")
+
+
+def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis) -> None:
+    con.print(render.label(d.severity, con), f"{index}. {d.title} [{d.entry_id}]", style="bold",
+              markup=False)
+    con.print(f"  line {d.line_no}" + (f" (and {d.count - 1} more)" if d.count > 1 else "")
+              + f": {d.snippet}", markup=False)
+    if d.details:
+        con.print("  found: " + ", ".join(f"{k}={v}" for k, v in d.details.items()), markup=False)
+    con.print("  why: " + " ".join(d.cause.split()), markup=False)
+    for step, text in enumerate(d.fix, 1):
+        con.print(f"  {step}) {text}", markup=False)
+    if d.patch:
+        from rich.syntax import Syntax  # pulls in pygments: only when a patch is shown
+
+        con.print(f"  patch ({d.patch_kind}):", markup=False)
+        lexer = "json" if d.patch_kind == "json" else "diff"
+        con.print(Syntax(d.patch.strip(), lexer, theme="ansi_dark", background_color="default"))
+    con.print(f"  checked against: {d.checked_against}", markup=False, style="dim")
+    con.print(f"  sources: {'; '.join(d.sources)}", markup=False, style="dim")
+    con.print()
+
+
+# ----------------------------------------------------------------------------------------------
+# doctor (delegated)
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_doctor(sub: argparse._SubParsersAction, with_options: bool) -> argparse.ArgumentParser:
+    p = sub.add_parser("doctor", help="check the environment (versions, CUDA, build tools, NCCL, host)",
+                       description="Check the installed stack and the host for known problems.")
+    p.set_defaults(handler=_run_doctor)
+    if with_options:  # only when doctor is the command: importing it costs time
+        _doctor_module().add_arguments(p)
+    return p
+
+
+def _doctor_module():
+    try:
+        return importlib.import_module("troubleshooter.doctor")
+    except ModuleNotFoundError as err:
+        if err.name not in ("troubleshooter.doctor", "troubleshooter"):
+            raise
+        raise SystemExit(_input_error("doctor is not available in this installation "
+                                      "(troubleshooter.doctor is missing)", False))
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    return int(_doctor_module().main(args))
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+
+
+def _input_error(message: str, as_json: bool) -> int:
+    """Bad input: one line on stderr (and a JSON object on stdout with --json), exit 2."""
+    if as_json:
+        render.print_json({"error": message})
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The argument parser. Doctor's own options are added only when ``doctor`` is in ``argv``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m troubleshooter",
+        description="Diagnose DeepSpeed ZeRO-3 + MoE training: environment, config, tracebacks.",
+        epilog="Exit codes: 0 nothing fails, 1 a problem found (explain: nothing recognised), "
+               "2 bad arguments or unreadable input.")
+    parser.add_argument("--version", action="version", version=f"troubleshooter {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,lint,explain}", required=True)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    _add_doctor(sub, with_options=command == "doctor")
+    _add_lint(sub)
+    _add_explain(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `... | head`
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
