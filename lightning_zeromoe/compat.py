@@ -22,15 +22,18 @@ CHECKED_AGAINST = {
 #: The earliest DeepSpeed with AutoEP under ZeRO-3 that this project is tested against.
 MIN_DEEPSPEED = "0.19.8"
 
-#: AutoEP presets in deepspeed 0.19.8 (deepspeed/module_inject/auto_ep_presets/), keyed by the
-#: Hugging Face ``config.model_type`` that selects each one.
+#: AutoEP presets in deepspeed 0.19.8 (deepspeed/module_inject/auto_ep_presets/*.py ``hf_model_types``),
+#: keyed by the Hugging Face ``config.model_type`` that selects each one. Composite models (Qwen3.5,
+#: MiniMax-M3 vision-language) are matched through their text backbone's config. Discovery asks
+#: DeepSpeed's own table at run time; this copy is for the docs and the troubleshooter.
 AUTOEP_PRESETS_BY_MODEL_TYPE = {
     "mixtral": "mixtral",
     "qwen3_moe": "qwen3_moe",
-    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen2_moe": "qwen3_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
     "deepseek_v2": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
-    "minimax_m3": "minimax_m3",
+    "minimax_m3_vl_text": "minimax_m3",
 }
 
 #: deepspeed/runtime/engine.py ``_validate_zero3_moe_compatibility`` (0.19.8).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from torch import nn
 
@@ -135,40 +135,59 @@ def _prefix(path: str) -> str:
     return re.escape(path + ".") if path else ""
 
 
-def _hf_models(root: nn.Module) -> Iterable[tuple[str, nn.Module, str]]:
-    """Outermost submodules carrying an HF config whose model_type has an AutoEP preset."""
-    taken: list[str] = []
+@dataclass(frozen=True)
+class _HFModel:
+    path: str
+    model: nn.Module
+    preset_name: str
+    relative: str  # the preset's block pattern, relative to ``model``
+    blocks: list[tuple[str, nn.Module]]  # names relative to ``model``
+
+
+def _hf_models(root: nn.Module) -> list[_HFModel]:
+    """Outermost submodules whose HF config has an AutoEP preset *and* that hold the preset's blocks.
+
+    Carrying the config is not enough: a LightningModule that keeps ``self.config = hf_config``
+    next to ``self.model = MixtralForCausalLM(hf_config)`` has the config but not the blocks
+    under the preset's names, and must not hide the real model inside it. If no candidate holds
+    blocks, the outermost one is returned anyway, so the "nothing found" error names its preset.
+    """
+    holding: list[_HFModel] = []
+    empty: list[_HFModel] = []
     for name, module in root.named_modules():
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        preset = _preset_for_model_type(model_type) if isinstance(model_type, str) else None
-        if preset is None or any(name.startswith(t + ".") or t == "" for t in taken):
+        preset_name = _preset_for_model_type(model_type) if isinstance(model_type, str) else None
+        if preset_name is None or any(t.path == "" or name.startswith(t.path + ".") for t in holding):
             continue
-        taken.append(name)
-        yield name, module, preset
+        preset = _autoep_preset(preset_name)
+        relative = preset.moe_layer_pattern
+        local = _blocks_matching(module, relative, preset.router_pattern, preset.experts_pattern)
+        if not local and relative.startswith(r"model\."):
+            # A base model (e.g. MixtralModel) has no ".model" level: its blocks are "layers.N.mlp".
+            relative = relative[len(r"model\."):]
+            local = _blocks_matching(module, relative, preset.router_pattern, preset.experts_pattern)
+        (holding if local else empty).append(_HFModel(name, module, preset_name, relative, local))
+    return holding or empty[:1]
 
 
 def _from_hf_model(root: nn.Module) -> Discovery | None:
-    models = list(_hf_models(root))
+    models = _hf_models(root)
     if not models:
         return None
-    if len({preset for _, _, preset in models}) > 1 or len(models) > 1:
-        where = ", ".join(f"{name or '<root>'} ({preset})" for name, _, preset in models)
+    if len(models) > 1:
+        where = ", ".join(f"{m.path or '<root>'} ({m.preset_name})" for m in models)
         raise ValueError(f"Found several Hugging Face MoE models ({where}); AutoEP converts one model "
                          "family per engine. Pass moe_pattern=MoEPattern(...) to choose the blocks.")
-    path, model, preset_name = models[0]
-    preset = _autoep_preset(preset_name)
-    relative = preset.moe_layer_pattern
-    local = _blocks_matching(model, relative, preset.router_pattern, preset.experts_pattern)
-    if not local and relative.startswith(r"model\."):
-        # A base model (e.g. MixtralModel) has no ".model" level: its blocks are "layers.N.mlp".
-        relative = relative[len(r"model\."):]
-        local = _blocks_matching(model, relative, preset.router_pattern, preset.experts_pattern)
-    top_k = getattr(model.config, preset.top_k_attr, None)
-    blocks = [MoEBlock(_join(path, name), _num_experts(m, preset.router_pattern), top_k) for name, m in local]
-    autoep = {"preset_model": preset_name}
-    if path or relative != preset.moe_layer_pattern:
-        autoep["moe_layer_pattern"] = _prefix(path) + relative
-    return Discovery(source=f"hf:{preset_name}", blocks=blocks, autoep=autoep, root_config=model.config)
+    found = models[0]
+    preset = _autoep_preset(found.preset_name)
+    top_k = getattr(found.model.config, preset.top_k_attr, None)
+    blocks = [MoEBlock(_join(found.path, name), _num_experts(m, preset.router_pattern), top_k)
+              for name, m in found.blocks]
+    autoep = {"preset_model": found.preset_name}
+    if found.path or found.relative != preset.moe_layer_pattern:
+        autoep["moe_layer_pattern"] = _prefix(found.path) + found.relative
+    return Discovery(source=f"hf:{found.preset_name}", blocks=blocks, autoep=autoep,
+                     root_config=found.model.config)
 
 
 def _preset_for_model_type(model_type: str) -> str | None:

@@ -1,0 +1,39 @@
+"""The facts in lightning_zeromoe.compat agree with the installed libraries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from lightning_zeromoe import compat
+
+
+def test_preset_table_matches_deepspeeds_own():
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    theirs = {model_type: name for name, preset in PRESET_MODELS.items() for model_type in preset.hf_model_types}
+    assert compat.AUTOEP_PRESETS_BY_MODEL_TYPE == theirs
+
+
+def test_native_moe_message_is_deepspeeds():
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    source = inspect.getsource(DeepSpeedEngine._validate_zero3_moe_compatibility)
+    assert compat.NATIVE_MOE_ZERO3_MESSAGE.split(". ")[0] in source
+    assert compat.LEGACY_MOE_ZERO3_MESSAGE in source
+
+
+def test_deepspeed_default_timeout_env_is_real():
+    """DEEPSPEED_TIMEOUT (minutes) sets deepspeed's default process-group timeout."""
+    code = "import deepspeed.constants as c; print(c.default_pg_timeout.total_seconds())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"DEEPSPEED_TIMEOUT": "3", "PATH": ""}, check=True).stdout
+    assert float(out.strip().splitlines()[-1]) == 180.0
+
+
+def test_version_tuple_orders_releases():
+    assert compat.version_tuple("5.23.0.dev0") == (5, 23, 0)
+    assert compat.version_tuple("2.13.0+cpu") == (2, 13, 0)
+    assert compat.version_tuple("5.22.2") < compat.version_tuple("5.23.0")
