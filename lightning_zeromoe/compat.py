@@ -82,8 +82,10 @@ ENV_FACTS = {
         "builds nothing at install time: ops are JIT-compiled on first use. It does not 'skip "
         "compilation'."),
     "TORCH_EXTENSIONS_DIR": (
-        "Where JIT-built ops are cached (default ~/.cache/torch_extensions). A 'lock' file left "
-        "there by a killed build makes the next build wait forever."),
+        "Where JIT-built ops are cached (default $XDG_CACHE_HOME or ~/.cache, then "
+        "torch_extensions/py311_cpu or py311_cuXYZ, one folder per op: torch/utils/cpp_extension.py "
+        "_get_build_directory). A 'lock' file left in an op's folder by a killed build makes the "
+        "next build wait forever."),
 }
 
 
