@@ -22,6 +22,7 @@ _LAZY = {
     "TinyMoELM": "lightning_zeromoe.models",
     "TinyMoEModule": "lightning_zeromoe.models",
     "plan": "lightning_zeromoe.planner",
+    "ExpertUtilizationMonitor": "lightning_zeromoe.monitor",
 }
 
 __all__ = sorted(_LAZY)

@@ -9,7 +9,7 @@ parameters, the fp32 master copy, the gradient partitions and the optimizer stat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -53,19 +53,72 @@ class StateBytes:
         return self.params + self.master_params + self.grads + self.optimizer_states
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``: a tensor, or a (nested) list, tuple or dict of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+class _StorageLedger:
+    """Counts each underlying storage once, under the first category that names it.
+
+    DeepSpeed hands out views: ZeRO-3 parameter partitions are slices of one flat buffer, stage 1/2
+    parameters are views of a flat copy, and ZeRO-3 with fp32 weights uses the parameter partition
+    itself as the "fp32 master" (no second copy). Summing ``numel * element_size`` per tensor would
+    count such memory twice; counting whole storages counts what is allocated, padding included.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def count(self, tensors: Iterator[torch.Tensor]) -> int:
+        total = 0
+        for tensor in tensors:
+            if tensor is None or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in self._seen:
+                continue
+            self._seen.add(key)
+            total += storage.nbytes()
+        return total
 
 
 def state_bytes(engine: Any) -> StateBytes:
-    """What this rank holds, read from a DeepSpeed engine (ZeRO-3 partitions, or plain tensors)."""
+    """What this rank holds, read from a DeepSpeed engine (ZeRO stage 0-3).
+
+    * params: ZeRO-3 partitions (``ds_tensor``) or, below stage 3, the full parameters (views of
+      the optimizer's flat copy);
+    * master_params: the fp32 master partition (stage 3 ``fp32_partitioned_groups_flat``, stage 1/2
+      ``single_partition_of_fp32_groups``) *when it is a separate allocation*;
+    * grads: stage 3's persistent ``grad_partitions_flat_buffer``; below stage 3 what exists at the
+      moment of the call (reduced partitions after ``backward``, nothing after ``step``);
+    * optimizer_states: the inner optimizer's per-parameter tensors (Adam ``exp_avg``/``exp_avg_sq``).
+
+    Shared storage is counted once, in the first of these categories that holds it.
+    """
     module, optimizer = engine.module, engine.optimizer
-    params = sum(_nbytes(getattr(p, "ds_tensor", p)) for p in module.parameters())
-    master = sum(_nbytes(t) for t in getattr(optimizer, "fp32_partitioned_groups_flat", []))
-    grads = _nbytes(getattr(optimizer, "grad_partitions_flat_buffer", None))
+    ledger = _StorageLedger()
+    params = ledger.count(getattr(p, "ds_tensor", p) for p in module.parameters())
+    masters = [*_tensors(getattr(optimizer, "fp32_partitioned_groups_flat", [])),
+               *_tensors(getattr(optimizer, "single_partition_of_fp32_groups", []))]
+    master = ledger.count(iter(masters))
+    grads = ledger.count(iter([
+        *_tensors(getattr(optimizer, "grad_partitions_flat_buffer", None)),
+        *_tensors(getattr(optimizer, "grads_in_partition", None)),
+        *_tensors(getattr(optimizer, "averaged_gradients", None)),
+        *(m.grad for m in masters if m.grad is not None),
+        *(p.grad for p in module.parameters() if p.grad is not None),
+    ]))
     inner = getattr(optimizer, "optimizer", optimizer)
-    states = sum(_nbytes(v) for state in getattr(inner, "state", {}).values()
-                 for v in state.values() if isinstance(v, torch.Tensor))
+    states = ledger.count(_tensors(list(getattr(inner, "state", {}).values())))
     return StateBytes(params=params, master_params=master, grads=grads, optimizer_states=states)
 
 

@@ -1,0 +1,109 @@
+"""Measure the model-state bytes each rank really holds, for the planner's measured check.
+
+Launched once per world size (``torchrun --nproc_per_node N``, or plain ``python`` for N = 1,
+which then starts torchrun itself). In one process group it builds a fresh tiny MoE model and a
+raw DeepSpeed engine for every requested (stage, ep_size) pair, runs one fp32 training step, and
+records ``lightning_zeromoe.telemetry.state_bytes(engine)`` twice: right after ``backward`` (when
+the gradient partitions are what stages 1 and 2 hold) and after ``step`` (when the Adam states
+exist; Adam creates them lazily at the first step). Raw DeepSpeed rather than Lightning: each
+Lightning launch would re-import Lightning in every rank, and 4 ranks share 2 cores.
+
+    python tests/jobs/planner_states.py --out DIR --world 4 --configs 3:1,3:2,2:1,1:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+#: The model every run measures. Small enough for 4 ranks on 2 cores; every dimension divisible
+#: by 4 so the planner's per-tensor rounding is exercised but not dominant.
+MODEL = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_experts=4, top_k=2,
+             ffn_hidden_size=96, max_seq_len=16)
+
+
+def engine_config(stage: int, ep_size: int, model) -> dict:
+    from lightning_zeromoe.config import ZeroOptions, build_config
+
+    # param_persistence_threshold=0: ZeRO-3 partitions every parameter (no small-tensor exception).
+    opts = ZeroOptions(stage=stage, ep_size=ep_size, param_persistence_threshold=0)
+    from lightning_zeromoe.discovery import discover
+
+    # The same block description the strategy would hand AutoEP (rooted at the model itself).
+    locate = discover(model, None).autoep if ep_size > 1 else None
+    config = build_config(opts, locate, use_grouped_mm=False)
+    config.update({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0,
+                                                              "torch_adam": True}}})
+    return config
+
+
+def measure(stage: int, ep_size: int) -> dict:
+    import argparse as ap
+
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM, load_balancing_loss
+    from lightning_zeromoe.telemetry import state_bytes
+
+    torch.manual_seed(0)
+    model = TinyMoELM(TinyMoEConfig(**MODEL))
+    engine, *_ = deepspeed.initialize(args=ap.Namespace(device_rank=int(os.environ.get("LOCAL_RANK", 0))),
+                                      model=model, model_parameters=[p for p in model.parameters()],
+                                      config=engine_config(stage, ep_size, model), dist_init_required=False)
+    gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    ids = torch.randint(0, MODEL["vocab_size"], (2, 9), generator=gen)
+    logits, router = engine(ids[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss = loss + 0.01 * load_balancing_loss(router, MODEL["top_k"], 2).mean()
+    engine.backward(loss)
+    after_backward = state_bytes(engine)
+    engine.step()
+    after_step = state_bytes(engine)
+    result = {"stage": stage, "ep_size": ep_size, "after_backward": after_backward.__dict__,
+              "after_step": after_step.__dict__,
+              "held": {n: getattr(p, "ds_tensor", p).numel() for n, p in engine.module.named_parameters()}}
+    engine.destroy()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--configs", default="3:1", help="comma-separated stage:ep_size pairs")
+    args = parser.parse_args()
+
+    if "LOCAL_RANK" not in os.environ:  # not under torchrun yet: become the launcher
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
+               __file__, *sys.argv[1:]]
+        raise SystemExit(subprocess.call(cmd))
+
+    import deepspeed
+    import torch
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    results = []
+    for pair in args.configs.split(","):
+        stage, ep = (int(x) for x in pair.split(":"))
+        results.append(measure(stage, ep))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": args.world, "runs": results}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
