@@ -44,6 +44,9 @@ _STRATEGIES = "lightning.pytorch.strategies"
 
 
 def _register(registry: Any) -> None:
+    strategy = sys.modules.get("lightning_zeromoe.strategy")
+    if strategy is not None and not hasattr(strategy, "ZeroMoEStrategy"):
+        return  # lightning_zeromoe.strategy is importing Lightning right now; it registers itself at its end
     from lightning_zeromoe.strategy import ZeroMoEStrategy
 
     if ZeroMoEStrategy.strategy_name not in registry:

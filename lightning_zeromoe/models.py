@@ -69,7 +69,12 @@ class TinyMoEConfig:
 
 
 class Experts(nn.Module):
-    """``num_experts`` SwiGLU MLPs stored as fused 3-D tensors (Mixtral layout)."""
+    """``num_experts`` SwiGLU MLPs stored as fused 3-D tensors (Mixtral layout).
+
+    One call computes every expert's tokens. Under ZeRO-3 each module call gathers the module's
+    parameters, so calling this once per forward (not once per expert that received tokens)
+    keeps the number of all-gathers the same on every rank whatever the routing.
+    """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int) -> None:
         super().__init__()
@@ -77,9 +82,17 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
 
-    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[expert])
+    def forward(self, x: torch.Tensor, top_scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing weights and expert ids ``[T, k]`` -> weighted sum ``[T, H]``."""
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(chosen == expert)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, top_scores[token, slot].unsqueeze(-1).to(x.dtype) * y)
+        return out
 
 
 class MoEBlock(nn.Module):
@@ -102,14 +115,7 @@ class MoEBlock(nn.Module):
         top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         with torch.no_grad():
             self.tokens_per_expert += torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
-        out = torch.zeros_like(x)
-        for expert in range(self.num_experts):
-            token, slot = torch.where(chosen == expert)
-            if token.numel() == 0:
-                continue
-            weight = top_scores[token, slot].unsqueeze(-1).to(x.dtype)
-            out.index_add_(0, token, weight * self.experts(x[token], expert))
-        return out.reshape(shape)
+        return self.experts(x, top_scores, chosen).reshape(shape)
 
 
 class Attention(nn.Module):
@@ -311,7 +317,16 @@ def _build_module_class() -> type:
             self.num_samples = num_samples
             self.seed = seed
             self.model = TinyMoELM(config)
-            self.last_losses: dict[str, float] = {}
+            self._last_losses: dict[str, torch.Tensor] = {}
+
+        @property
+        def last_losses(self) -> dict[str, float]:
+            """The last training step's ``loss``, ``task_loss`` and ``aux_loss`` as floats.
+
+            Converted when read, not in every step: on a GPU each ``.item()`` blocks the host until
+            the device has caught up, which would cost three synchronisations per step.
+            """
+            return {k: float(v) for k, v in self._last_losses.items()}
 
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids)[0]
@@ -320,9 +335,10 @@ def _build_module_class() -> type:
             task, aux = lm_losses(self.model, batch["input_ids"])
             task, aux = task.mean(), aux.mean()
             loss = task + self.model.config.aux_loss_weight * aux
-            self.last_losses = {"loss": loss.item(), "task_loss": task.item(), "aux_loss": aux.item()}
-            self.log_dict({f"train/{k}": v for k, v in self.last_losses.items()}, prog_bar=False)
-            self.log("loss", loss.detach(), prog_bar=True)
+            # Detached tensors, no .item(): Lightning logs tensors as they are, without a host sync.
+            self._last_losses = {"loss": loss.detach(), "task_loss": task.detach(), "aux_loss": aux.detach()}
+            self.log_dict({f"train/{k}": v for k, v in self._last_losses.items()}, prog_bar=False)
+            self.log("loss", self._last_losses["loss"], prog_bar=True)
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:

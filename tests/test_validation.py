@@ -115,9 +115,22 @@ def test_config_file_errors_are_clear(tmp_path):
         ZeroMoEStrategy(config=bad)
 
 
-def test_strategy_registered_by_name():
-    trainer = L.Trainer(strategy="zero_moe", accelerator="cpu", devices=1, logger=False)
-    assert isinstance(trainer.strategy, ZeroMoEStrategy)
+@pytest.mark.parametrize("imports", [
+    "from lightning_zeromoe import ZeroMoEStrategy",
+    "import lightning_zeromoe; import lightning",
+    "import lightning; import lightning_zeromoe",
+])
+def test_strategy_registered_by_name_in_any_import_order(imports):
+    """``Trainer(strategy="zero_moe")`` after importing our package, before or after Lightning."""
+    import subprocess
+    import sys
+
+    code = (f"{imports}\nimport lightning as L\n"
+            "t = L.Trainer(strategy='zero_moe', accelerator='cpu', devices=1, logger=False)\n"
+            "print(type(t.strategy).__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ZeroMoEStrategy"
 
 
 def test_self_described_tiny_model_pattern_is_rooted_at_the_lightning_module():
@@ -126,3 +139,18 @@ def test_self_described_tiny_model_pattern_is_rooted_at_the_lightning_module():
     assert [b.path for b in found.blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert found.autoep["moe_layer_pattern"] == r"model\.layers\.\d+\.mlp"
     assert found.autoep["top_k"] == 2
+
+
+def test_stage_auto_picks_the_lowest_stage_that_fits(caplog):
+    """The tiny model fits anywhere: the planner picks stage 1 (not ZeRO-3) and says why."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        strategy = prepared(TinyMoEModule(), ep_size=2, stage="auto")
+    assert strategy.config["zero_optimization"]["stage"] == 1
+    assert "stage='auto'" in caplog.text and "planner" in caplog.text
+
+
+def test_stage_must_be_a_number_or_auto():
+    with pytest.raises(ValueError, match="use 0, 1, 2, 3 or 'auto'"):
+        ZeroMoEStrategy(stage="three")

@@ -1,0 +1,369 @@
+"""The Jupyter / IPython face of the troubleshooter: ``%load_ext troubleshooter``.
+
+What loading registers, and why each piece is built the way it is:
+
+* ``%doctor [options]``: the doctor's checks (:func:`troubleshooter.doctor.run_checks`, the same
+  options as ``python -m troubleshooter doctor``) as an HTML table, with the fix for every check
+  that did not pass.
+* ``%ds_lint CONFIG [--world-size N]``: lint a DeepSpeed config given as a path, or as the name of
+  a dict in the user namespace; each finding's JSON merge patch is shown as a diff of the config.
+* ``%%troubleshoot``: run the cell; on an exception, show the knowledge-base diagnosis and open
+  the matching walkthrough, then re-raise the *same* exception object, so IPython prints the
+  original traceback and ``ExecutionResult.error_in_exec`` is the user's exception.
+* Automatic diagnosis after any failing cell, through IPython's ``post_run_cell`` event. Not
+  ``set_custom_exc``: that slot holds one handler per shell and other extensions (jupyter-ai)
+  use it; an event callback only *reads* ``result.error_in_exec`` after IPython has already shown
+  the traceback, so the exception can be neither swallowed nor altered.
+
+Loading is cheap on purpose: this module imports IPython only. The knowledge base is plain TOML;
+the doctor, lint, ipywidgets and the walkthroughs are imported when a command needs them, and
+torch / deepspeed / lightning / transformers only by the checks and reproductions that use them.
+``unload_ipython_extension`` removes exactly what loading added and puts back any magic of the
+same name that was there before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import html
+import shlex
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+__all__ = ["TroubleshooterMagics", "diagnose_exception", "exception_text", "load_ipython_extension",
+           "unload_ipython_extension"]
+
+#: Doctor status -> (icon, colour) for the HTML table.
+_STATUS_LOOK = {"ok": ("✔", "#2e7d32"), "warn": ("⚠", "#b26a00"), "fail": ("✖", "#c62828"),
+                "skip": ("–", "#757575"), "error": ("✖", "#c62828")}
+_SEVERITY_LOOK = {"error": ("✖", "#c62828"), "warning": ("⚠", "#b26a00"), "info": ("ℹ", "#1565c0")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rich display objects: HTML for notebooks, plain text for terminals and logs
+# ---------------------------------------------------------------------------------------------
+
+
+class Report:
+    """Something to ``display``: HTML in a notebook, the plain text in a terminal (and in tests)."""
+
+    def __init__(self, plain: str, html_text: str, data: Any = None) -> None:
+        self.plain, self.html, self.data = plain, html_text, data
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:
+        return self.plain
+
+
+def _esc(text: Any) -> str:
+    return html.escape(str(text))
+
+
+def doctor_report(results: list) -> Report:
+    """The doctor's results as a table; every warn/fail/error row carries its fix and entry."""
+    from troubleshooter import knowledge
+    from troubleshooter.doctor import report
+
+    rows = []
+    for r in results:
+        icon, colour = _STATUS_LOOK.get(r.status, ("?", "#000"))
+        todo = ""
+        if r.status in ("warn", "fail", "error"):
+            parts = []
+            if r.why:
+                parts.append(f"<div><b>why</b> {_esc(r.why)}</div>")
+            if r.fix:
+                parts.append(f"<div><b>fix</b> {_esc(r.fix)}</div>")
+            if r.entry:
+                try:
+                    title = knowledge.get(r.entry).title
+                except KeyError:
+                    title = r.entry
+                parts.append(f"<div style='color:#555'>knowledge entry <code>{_esc(r.entry)}</code>: "
+                             f"{_esc(title)}</div>")
+            todo = "".join(parts)
+        rows.append(f"<tr><td style='color:{colour};font-weight:bold'>{icon} {_esc(r.status)}</td>"
+                    f"<td>{_esc(r.title)}</td><td>{_esc(r.found)}</td><td>{todo}</td></tr>")
+    s = report.summary(results)
+    summary = (f"{s['ok']} ok, {s['warn']} warn, {s['fail']} fail, {s['error']} error, "
+               f"{s['skip']} skipped")
+    table = ("<div class='troubleshooter-doctor'><b>troubleshooter doctor</b>"
+             "<table><thead><tr><th>status</th><th>check</th><th>found</th><th>what to do</th></tr></thead>"
+             f"<tbody>{''.join(rows)}</tbody></table><div><b>{_esc(summary)}</b></div></div>")
+    return Report(report.render_plain(results), table, results)
+
+
+def lint_report(findings: list, config: Mapping | None, source: str) -> Report:
+    """Lint findings as a table; a finding with a JSON merge patch shows the config diff it makes."""
+    from troubleshooter.widgets import config_diff, diff_html
+
+    if not findings:
+        plain = f"{source}: no problems found"
+        return Report(plain, f"<div class='troubleshooter-lint'>✔ {_esc(plain)}</div>", findings)
+    lines, rows = [], []
+    for f in findings:
+        icon, colour = _SEVERITY_LOOK.get(f.severity, ("?", "#000"))
+        lines.append(f"[{f.severity}] {f.path or '<config>'}: {f.message}\n    fix: {f.fix}  ({f.rule})")
+        diff = ""
+        if f.patch and config is not None:
+            text = config_diff(dict(config), f.patch, name=source)
+            lines.append("\n".join("    " + line for line in text.splitlines()))
+            diff = diff_html(text)
+        rows.append(f"<tr><td style='color:{colour};font-weight:bold'>{icon} {_esc(f.severity)}</td>"
+                    f"<td><code>{_esc(f.path or '<config>')}</code></td><td>{_esc(f.message)}"
+                    f"<div><b>fix</b> {_esc(f.fix)}</div>{diff}</td><td><code>{_esc(f.rule)}</code></td></tr>")
+    errors = sum(f.severity == "error" for f in findings)
+    head = f"{source}: {len(findings)} finding(s), {errors} error(s)"
+    table = (f"<div class='troubleshooter-lint'><b>{_esc(head)}</b><table><thead><tr><th>severity</th>"
+             "<th>key</th><th>problem and fix</th><th>entry</th></tr></thead>"
+             f"<tbody>{''.join(rows)}</tbody></table></div>")
+    return Report(head + "\n" + "\n".join(lines), table, findings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnosing an exception
+# ---------------------------------------------------------------------------------------------
+
+
+def exception_text(err: BaseException) -> str:
+    """The text the knowledge base is matched against: the formatted traceback (with its chained
+    causes) plus any output the exception carries (a failed subprocess's stderr: a training job
+    launched from the notebook fails in another process, and its error is in that output)."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    for attr in ("stderr", "stdout", "output"):
+        value = getattr(err, attr, None)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", errors="replace")
+        if isinstance(value, str) and value.strip():
+            text += "\n" + value
+    return text
+
+
+def diagnose_exception(err: BaseException) -> list:
+    """Knowledge-base diagnoses for an exception, best first (``explain.Diagnosis`` objects)."""
+    from troubleshooter.explain import explain_text
+
+    return explain_text(exception_text(err))
+
+
+@dataclass
+class _State:
+    """What one load added to one shell, so unload can take exactly that away again."""
+
+    magics: "TroubleshooterMagics"
+    callback: Any
+    replaced: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> name -> previous
+    previous_registry: Any = None  # a Magics instance registered under our class name before us
+    panels: list = field(default_factory=list)  # diagnosis panels shown (newest last)
+    handled: set[int] = field(default_factory=set)  # id() of exceptions %%troubleshoot diagnosed
+    auto: bool = True
+
+
+_STATES: dict[int, _State] = {}
+
+
+def state_of(shell: Any) -> _State | None:
+    """The extension's state in ``shell`` (None when not loaded); tests and widgets read it."""
+    return _STATES.get(id(shell))
+
+
+class _MagicArgumentError(Exception):
+    pass
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises instead of calling sys.exit (SystemExit would end the cell oddly)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _MagicArgumentError(f"{self.prog}: {message}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise _MagicArgumentError(message or "")
+
+
+def _doctor_parser() -> argparse.ArgumentParser:
+    """The CLI's own doctor options (one definition), on a parser that does not exit."""
+    from troubleshooter.doctor import add_arguments
+
+    parser = _RaisingParser(prog="%doctor")
+    add_arguments(parser)
+    return parser
+
+
+def _lint_parser() -> argparse.ArgumentParser:
+    parser = _RaisingParser(prog="%ds_lint")
+    parser.add_argument("config", help="a JSON file, or the name of a dict in the notebook")
+    parser.add_argument("--world-size", type=int, default=None, help="total number of ranks")
+    return parser
+
+
+def _parse(parser_factory, line: str) -> argparse.Namespace:
+    parser = parser_factory()
+    try:
+        return parser.parse_args(shlex.split(line))
+    except _MagicArgumentError as err:
+        text = str(err).strip()
+        if not text:  # --help: argparse printed the help already
+            text = parser.format_help()
+        raise UsageError(text) from None
+
+
+@magics_class
+class TroubleshooterMagics(Magics):
+    """``%doctor``, ``%ds_lint`` and ``%%troubleshoot``."""
+
+    @line_magic
+    def doctor(self, line: str = "") -> None:
+        """Run the doctor's checks and show them as a table (same options as the CLI: --only, ...)."""
+        from IPython.display import display
+
+        from troubleshooter.doctor import run_checks
+
+        args = _parse(_doctor_parser, line)
+        results = run_checks(args)
+        if args.json:
+            from troubleshooter.doctor import report
+
+            print(report.to_json(results))
+            return
+        display(doctor_report(results))
+
+    @line_magic
+    def ds_lint(self, line: str = "") -> None:
+        """Lint a DeepSpeed config: ``%ds_lint ds_config.json`` or ``%ds_lint my_config_dict``."""
+        from IPython.display import display
+
+        from troubleshooter.lint import LintInputError, lint_config, load_config
+
+        args = _parse(_lint_parser, line)
+        value = self.shell.user_ns.get(args.config) if args.config.isidentifier() else None
+        try:
+            if isinstance(value, Mapping):
+                config, source = dict(value), args.config
+                findings = lint_config(config, world_size=args.world_size, source=source)
+            else:
+                if value is not None and not isinstance(value, str):
+                    raise UsageError(f"%ds_lint: {args.config} is a {type(value).__name__}, not a dict or a path")
+                path = value if isinstance(value, str) else args.config
+                config, _text = load_config(path)
+                source = str(path)
+                findings = lint_config(config, world_size=args.world_size, source=source)
+        except LintInputError as err:
+            raise UsageError(f"%ds_lint: {err}") from None
+        display(lint_report(findings, config, source))
+
+    @cell_magic
+    def troubleshoot(self, line: str, cell: str) -> Any:
+        """Run the cell. On an exception: show the diagnosis, open the walkthrough, re-raise it."""
+        shell = self.shell
+        cell = shell.transform_cell(cell)  # IPython syntax (%magics, !shell) inside the cell still works
+        filename = shell.compile.cache(cell, shell.execution_count)
+        tree = ast.parse(cell, filename=filename)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        try:
+            exec(compile(tree, filename, "exec"), shell.user_global_ns, shell.user_ns)
+            if last is not None:
+                return eval(compile(ast.Expression(last.value), filename, "eval"), shell.user_global_ns,
+                            shell.user_ns)
+            return None
+        except Exception as err:
+            state = state_of(shell)
+            if state is not None:
+                state.handled.add(id(err))
+            _show_diagnosis(shell, err, full=True)
+            raise  # the same object, with its traceback: IPython shows it as if no magic were involved
+
+
+def _show_diagnosis(shell: Any, err: BaseException, *, full: bool) -> Any:
+    """Display a diagnosis panel for ``err``; return it (None when nothing is known about it).
+
+    Any failure in here is reported as one line and never propagates: the user's exception is
+    what matters, and a bug in the assistant must not hide it.
+    """
+    from IPython.display import display
+
+    try:
+        diagnoses = diagnose_exception(err)
+        if not diagnoses:
+            if full:
+                print("troubleshooter: no known problem matches this error "
+                      "(python -m troubleshooter explain LOG also reads log files).")
+            return None
+        from troubleshooter.widgets import DiagnosisPanel
+
+        panel = DiagnosisPanel(diagnoses, full=full)
+        state = state_of(shell)
+        if state is not None:
+            state.panels.append(panel)
+        display(panel)
+        if full:
+            panel.open_walkthrough()
+        return panel
+    except Exception as bug:  # noqa: BLE001 - see docstring
+        print(f"troubleshooter: could not diagnose this error ({type(bug).__name__}: {bug})")
+        return None
+
+
+def _post_run_cell(shell: Any):
+    def post_run_cell(result: Any) -> None:
+        """After a failed cell: append a short diagnosis panel (reads the exception, never touches it)."""
+        state = state_of(shell)
+        err = getattr(result, "error_in_exec", None)
+        if state is None or not state.auto or err is None or not isinstance(err, Exception):
+            return
+        if id(err) in state.handled:  # %%troubleshoot has shown the full diagnosis already
+            state.handled.discard(id(err))
+            return
+        _show_diagnosis(shell, err, full=False)
+
+    return post_run_cell
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the magics and the ``post_run_cell`` diagnosis (``%load_ext troubleshooter``)."""
+    if id(ipython) in _STATES:
+        return
+    magics = TroubleshooterMagics(shell=ipython)
+    manager = ipython.magics_manager
+    replaced = {kind: {name: manager.magics[kind][name] for name in names if name in manager.magics[kind]}
+                for kind, names in magics.magics.items()}
+    previous_registry = manager.registry.get(type(magics).__name__)
+    ipython.register_magics(magics)
+    callback = _post_run_cell(ipython)
+    ipython.events.register("post_run_cell", callback)
+    _STATES[id(ipython)] = _State(magics, callback, replaced, previous_registry)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove the magics and the event callback again, restoring magics they had shadowed."""
+    state = _STATES.pop(id(ipython), None)
+    if state is None:
+        return
+    try:
+        ipython.events.unregister("post_run_cell", state.callback)
+    except ValueError:
+        pass
+    manager = ipython.magics_manager
+    for kind, names in state.magics.magics.items():
+        table, previous = manager.magics[kind], state.replaced.get(kind, {})
+        for name in names:
+            if getattr(table.get(name), "__self__", None) is not state.magics:
+                continue  # registered by someone else after us: theirs now, leave it
+            if name in previous:
+                table[name] = previous[name]
+            else:
+                del table[name]
+    name = type(state.magics).__name__
+    if state.previous_registry is None:
+        manager.registry.pop(name, None)
+    else:
+        manager.registry[name] = state.previous_registry
+
