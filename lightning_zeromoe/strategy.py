@@ -478,6 +478,10 @@ def _use_deepspeed_cpu_accelerator() -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+    if "LOCAL_SIZE" not in os.environ:
+        # Without it, the CPU accelerator runs `numactl --hardware` in a subprocess every time it
+        # counts devices: 5 times per ZeRO-3 step (measured, ~0.7 ms each). Count once, keep it.
+        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
 
 
 def _register_by_name() -> None:

@@ -39,4 +39,4 @@ if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); t
   DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
     2>&1 | grep -v "^\[" || true
 fi
-echo "setup: done ($(.venv/bin/python -c 'import torch, deepspeed, lightning; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, lightning {lightning.__version__}")'))"
+echo "setup: done ($(.venv/bin/python -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("torch", "deepspeed", "lightning")))'))"

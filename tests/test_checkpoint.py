@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -160,8 +159,6 @@ def test_export_dtype_and_no_silent_overwrite(tiny, tmp_path):
     assert out.stat().st_mtime_ns == stamp
 
 
-@pytest.mark.skipif(os.environ.get("ZEROMOE_SLOW_TESTS") != "1",
-                    reason="a third 4-rank launch (~1.5 min on 2 busy cores); set ZEROMOE_SLOW_TESTS=1")
 def test_tiny_4_ranks_experts_replicated_over_expert_data_parallel_groups(tmp_path):
     """World 4, EP 2: each expert-parallel rank's experts are ZeRO-partitioned over its 2-rank
     expert-data-parallel group ([0, 2] and [1, 3]), a layout the 2-rank runs do not have."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pty
@@ -146,8 +145,6 @@ def test_terminal_output_has_colours_icons_and_a_table(env):
     assert "\x1b[3" not in plain and "[ERROR]" in plain  # NO_COLOR in a terminal: plain
 
 
-@pytest.mark.skipif(importlib.util.find_spec("troubleshooter.doctor") is None,
-                    reason="troubleshooter.doctor is written by another helper and not present yet")
 def test_doctor_subcommand_is_delegated(env):
     """The CLI adds doctor's own options (add_arguments) and hands over to doctor.main."""
     proc = run(["doctor", "--help"], env)

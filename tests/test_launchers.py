@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from pathlib import Path
 
 from jobs_util import JOBS, REPO, read_ranks, run, run_job
 

@@ -35,19 +35,6 @@ def _by(findings, rule=None, severity=None, path=None):
             and (severity is None or f.severity == severity) and (path is None or f.path == path)]
 
 
-def merge_patch(target, patch):
-    """RFC 7386 JSON merge patch, to check that a finding's patch really fixes the config."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
 def test_schema_is_harvested_from_deepspeed_and_cached():
     schema = ds_schema.load_schema()
     assert {"zero_optimization", "expert_parallel", "train_batch_size", "aio"} <= schema.top_level
@@ -120,7 +107,7 @@ def test_misspelled_zero_key_is_an_error_like_deepspeed_says():
     [finding] = _by(lint.lint_config(config), "unknown-config-key")
     assert finding.severity == "error" and finding.path == "zero_optimization.overlap_com"
     assert "'overlap_comm'" in finding.message
-    fixed = merge_patch(config, finding.patch)
+    fixed = lint.merge_patch(config, finding.patch)
     assert fixed == {"train_batch_size": 1, "zero_optimization": {"stage": 3, "overlap_comm": True}}
     assert lint.lint_config(fixed) == []
 
@@ -201,7 +188,7 @@ def test_load_balance_coeff_is_an_error():
     config = {"expert_parallel": {"enabled": True, "autoep_size": 2, "load_balance_coeff": 0.01}}
     [finding] = _by(lint.lint_config(config), "autoep-load-balance-coeff")
     assert finding.severity == "error"
-    assert _by(lint.lint_config(merge_patch(config, finding.patch)), "autoep-load-balance-coeff") == []
+    assert _by(lint.lint_config(lint.merge_patch(config, finding.patch)), "autoep-load-balance-coeff") == []
 
 
 def test_offload_param_below_stage3_is_a_warning():

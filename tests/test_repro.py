@@ -27,11 +27,12 @@ import pytest
 
 @pytest.fixture(scope="module", autouse=True)
 def run_all_reproductions_side_by_side():
-    from troubleshooter.repro import native_moe_zero3, oom, pitfalls, router_collapse
+    from troubleshooter.repro import collective_timeout, native_moe_zero3, oom, pitfalls, router_collapse
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        jobs = [pool.submit(oom), pool.submit(native_moe_zero3), pool.submit(pitfalls.run_all)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        jobs = [pool.submit(oom), pool.submit(native_moe_zero3), pool.submit(pitfalls.run_all),
+                pool.submit(collective_timeout)]
         router_collapse()
         for job in jobs:
             job.exception()  # failures are reported by the test that reads that reproduction
@@ -146,3 +147,16 @@ def test_device_move_is_stopped_by_the_guard(pitfalls):
     assert handled["outcome"].startswith("ZeroDeviceMoveError")
     assert ".double()" in handled["message"] and "proj" in handled["message"]
     assert result.raw["plain"]["outcome"] != handled["outcome"]
+
+
+def test_expert_group_ignores_the_world_timeout_until_the_strategy_applies_it():
+    """Without the fix rank 0 waits until the stuck rank leaves (15 s, and would wait the 30-min
+    gloo default), far past the 4 s world timeout; with it, gloo times out after ~4 s."""
+    from troubleshooter.repro import collective_timeout
+
+    result = collective_timeout()
+    print(f"\ncollective timeout: before {result.before}; after {result.after}")
+    assert result.before.world_timeout == 4.0 and result.before.expert_group_timeout == 1800.0
+    assert result.before.waited >= 0.9 * result.stuck_for and not result.before.timed_out
+    assert result.after.expert_group_timeout == 4.0 and result.after.timed_out
+    assert result.after.waited < 4.0 + 6.0

@@ -151,3 +151,15 @@ def test_diagnosis_panel_opens_the_family_walkthrough_or_says_there_is_none():
     lonely = DiagnosisPanel([config_error])
     assert lonely.button.disabled and lonely.open_walkthrough() is None
     assert "(no walkthrough for this family)" in repr(lonely)
+
+
+def test_timeout_walkthrough_try_it_shows_the_expert_group_wait():
+    """Step 2's "try it" runs the two-rank reproduction: the wait before and after the fix."""
+    walk = walkthrough("timeout")
+    walk.next_button.click()
+    assert not walk.try_button.disabled
+    walk.try_button.click()
+    tried = walk.tries[1]
+    assert tried.before["expert group timeout (s)"] == 1800.0 and not tried.before["timed out"]
+    assert tried.after["expert group timeout (s)"] == 4.0 and tried.after["timed out"]
+    assert tried.after["rank 0 waited (s)"] < tried.before["rank 0 waited (s)"]

@@ -14,12 +14,14 @@ Exit code of ``lint`` (see ``troubleshooter.cli``): 1 when any finding has sever
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 __all__ = ["Finding", "LintInputError", "lint_config", "lint_path", "load_config"]
@@ -555,3 +557,17 @@ def lint_path(path: str | Path, *, world_size: int | None = None) -> list[Findin
     """Findings for a JSON config file. LintInputError for a missing file or malformed JSON."""
     config, text = load_config(path)
     return _run(_Context(config, world_size, str(path), text))
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """Apply a JSON merge patch (RFC 7386), the form of ``Finding.patch``: objects merge
+    recursively, ``null`` deletes a key."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result

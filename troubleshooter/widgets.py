@@ -21,7 +21,6 @@ its state (``index``, ``outcomes``, ``tries``) as well as the HTML it shows.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import html
 import json
@@ -32,6 +31,7 @@ from typing import Any, Callable, Mapping
 import ipywidgets as W
 
 from troubleshooter import knowledge
+from troubleshooter.lint import merge_patch
 
 __all__ = ["DiagnosisPanel", "Outcome", "Step", "TryResult", "WALKTHROUGH_FOR", "Walkthrough", "config_diff",
            "diff_html", "merge_patch", "text_diff", "walkthrough"]
@@ -40,19 +40,6 @@ __all__ = ["DiagnosisPanel", "Outcome", "Step", "TryResult", "WALKTHROUGH_FOR", 
 # ---------------------------------------------------------------------------------------------
 # Patches and diffs
 # ---------------------------------------------------------------------------------------------
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """Apply a JSON merge patch (RFC 7386): objects merge recursively, ``null`` deletes a key."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 def text_diff(before: str, after: str, name: str = "train.py") -> str:
@@ -465,6 +452,20 @@ def timeout_walkthrough(log: str | None = None) -> Walkthrough:
                        f"{found[0].title if found else 'none'}", not found, {},
                        [f"{d.entry_id} (line {d.line_no}): {d.snippet}" for d in found])
 
+    def try_group_timeouts() -> TryResult:
+        from troubleshooter.repro import collective_timeout
+
+        result = collective_timeout()
+
+        def nums(run: Any) -> dict:
+            return {"world group timeout (s)": run.world_timeout, "expert group timeout (s)": run.expert_group_timeout,
+                    "rank 0 waited (s)": run.waited, "timed out": run.timed_out}
+
+        return TryResult(nums(result.before), nums(result.after),
+                         f"2 gloo ranks; rank 1 stays away for {result.stuck_for:g} s while rank 0 all-reduces on a "
+                         "group made with new_group(ranks), as DeepSpeed makes its expert groups. The fix is "
+                         "what ZeroMoEStrategy runs after deepspeed.initialize.")
+
     steps = [
         Step("Find the first failure", "nccl-watchdog-timeout", (0,), "Read the log / check timeouts", first_failure,
              lambda: text_diff("export NCCL_TIMEOUT=3600\n", "# NCCL_TIMEOUT is read by nothing\n"
@@ -475,12 +476,13 @@ def timeout_walkthrough(log: str | None = None) -> Walkthrough:
              lambda: text_diff("strategy = ZeroMoEStrategy(ep_size=8)\n",
                                "from datetime import timedelta\n\n"
                                "strategy = ZeroMoEStrategy(ep_size=8, timeout=timedelta(minutes=60))\n"),
-             try_unavailable="No reproduction for timeouts in troubleshooter.repro (yet)."),
+             try_group_timeouts),
         Step("Same collectives, same order, on every rank", "nccl-watchdog-timeout", (2, 3), "Check NCCL settings",
              lambda: doctor_check("nccl"),
              lambda: text_diff("if trainer.global_rank == 0:\n    trainer.save_checkpoint(path)\n",
                                "trainer.save_checkpoint(path)  # collective under ZeRO-3: every rank calls it\n"),
-             try_unavailable="No reproduction for timeouts in troubleshooter.repro (yet)."),
+             try_unavailable="A collective issued by some ranks only hangs the others until the timeout; "
+                             "the previous step's reproduction shows that wait."),
     ]
     return Walkthrough("timeout", "Collective timeout", ("nccl-watchdog-timeout", "subgroup-timeout"), steps)
 

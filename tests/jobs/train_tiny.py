@@ -17,7 +17,6 @@ from pathlib import Path
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
 import lightning as L  # noqa: E402
-import torch  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
 from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule  # noqa: E402

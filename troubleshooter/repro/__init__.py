@@ -15,6 +15,8 @@ imported inside the functions, or in the child processes that run them.
   then the fix really training.
 * :func:`tied_weights`, :func:`stale_param_copy`, :func:`device_move` - ZeRO-3 pitfalls on 2 CPU
   ranks: what plain DeepSpeed shows, then what ``lightning_zeromoe.pitfalls`` reports or stops.
+* :func:`collective_timeout` - a rank waits on a DeepSpeed-style expert group far past the world
+  timeout; with ``ZeroMoEStrategy``'s fix it times out when it should.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _LAZY = {
     "stale_param_copy": "troubleshooter.repro.pitfalls",
     "device_move": "troubleshooter.repro.pitfalls",
     "PitfallResult": "troubleshooter.repro.pitfalls",
+    "collective_timeout": "troubleshooter.repro.timeout",
+    "TimeoutResult": "troubleshooter.repro.timeout",
 }
 
 __all__ = sorted(_LAZY)
