@@ -16,7 +16,7 @@ from jobs_util import read_ranks, run_job
 from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, EPOCH_STEPS, BATCH, LR = 20, 10, 4, 3e-3
-#: fp32 everywhere; measured max relative difference is ~1e-7 (summation order in the experts).
+#: fp32 everywhere; measured max relative difference 2.0e-7 over 20 steps (summation order in the experts).
 RTOL = 2e-6
 
 
