@@ -68,7 +68,6 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    pytest.importorskip("transformers")
     return _train_and_export(tmp_path_factory, "mixtral")
 
 

@@ -34,10 +34,8 @@ from typing import Any
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
-L = pytest.importorskip("lightning")
-pytest.importorskip("deepspeed")
-
+import lightning as L
+import transformers
 from deepspeed.module_inject.auto_ep import AutoEP  # noqa: E402
 from deepspeed.module_inject.auto_ep_config import parse_autoep_config  # noqa: E402
 

@@ -111,7 +111,7 @@ def test_top1_dead_experts_warn_without_stopping_and_missing_aux_loss_is_named(t
     """One CPU process, Lightning's default strategy: top-1 routing forced onto expert 0. Experts
     1-3 never receive a token, so after dead_steps they are reported dead; training continues
     (stop_on_collapse=False). A module that logs no aux loss gets told so."""
-    L = pytest.importorskip("lightning")
+    import lightning as L
     from lightning.pytorch.loggers import Logger
 
     from jobs.monitor_collapse import provoke_collapse
