@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
-
-log = logging.getLogger(__name__)
 
 #: Bucket size the field notes recommend for MoE under stage 3 (elements, not bytes).
 DEFAULT_BUCKET_SIZE = 50_000_000
@@ -35,7 +32,6 @@ class ZeroOptions:
     prefetch_bucket_size: int = DEFAULT_BUCKET_SIZE
     param_persistence_threshold: int = 100_000
     gather_16bit_weights_on_save: bool = False
-    use_grouped_mm: bool | None = None  # None: let the strategy decide per device
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import subprocess
 import time
@@ -38,8 +37,6 @@ from lightning_zeromoe.validation import (Layout, ZeroMoEConfigError, check_batc
 
 if TYPE_CHECKING:
     import deepspeed
-
-log = logging.getLogger(__name__)
 
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
