@@ -135,6 +135,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         self.user_config = load_user_config(config)
         self.moe_pattern = MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern
         self.discovery: Discovery | None = None
+        self._said: set[str] = set()
         # ZeRO-3 pitfalls (lightning_zeromoe.pitfalls): see _pitfalls_before_engine / _after_engine.
         if grad_audit_steps < 0:
             raise ValueError(f"grad_audit_steps={grad_audit_steps} must be >= 0 (0 turns the gradient audit off).")
@@ -201,7 +202,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                         ep_size=self.options.ep_size, stage=self.options.stage,
                         precision=str(self.precision_plugin.precision))
         for warning in check_layout(layout, self.discovery):
-            rank_zero_warn(warning)
+            self._say(warning, warn=True)
         self.config = self._merged_config()
         check_batch_arithmetic(self.config, layout.world_size, self._accumulate_grad_batches())
         # Lightning sets gradient_accumulation_steps itself and refuses a config that has it.
@@ -217,7 +218,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                                      device_memory_bytes=self._device_memory_bytes(),
                                      precision=str(self.precision_plugin.precision))
         self.options = dataclasses.replace(self.options, stage=stage)
-        rank_zero_info(f"ZeroMoEStrategy(stage='auto'): {reason}")
+        self._say(f"ZeroMoEStrategy(stage='auto'): {reason}")
 
     def _device_memory_bytes(self) -> float:
         """Memory per device: the GPU's, or on CPU this host's RAM shared by its processes."""
@@ -231,8 +232,15 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         base = build_config(self.options, locate, use_grouped_mm=not self._on_cpu)
         merged, overrides = merge_config(base, self.user_config)
         for line in overrides:
-            rank_zero_info(f"ZeroMoEStrategy config override: {line}")
+            self._say(f"ZeroMoEStrategy config override: {line}")
         return merged
+
+    def _say(self, message: str, warn: bool = False) -> None:
+        """Log on rank 0, once: ``prepare`` runs in both setup_environment and setup."""
+        if message in self._said:
+            return
+        self._said.add(message)
+        (rank_zero_warn if warn else rank_zero_info)(message)
 
     def _accumulate_grad_batches(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
