@@ -40,13 +40,14 @@ def _add_lint(sub: argparse._SubParsersAction) -> None:
                        description="Check a DeepSpeed JSON config (Lightning-generated ones too) "
                                    "against the installed DeepSpeed and known pitfalls.")
     p.add_argument("config", help="path to the DeepSpeed JSON config")
-    p.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="number of ranks, to check batch arithmetic and ep_size divisibility")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_run_lint)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 or a word is an argument error, exit 2)."""
     try:
         value = int(text)
     except ValueError:

@@ -23,17 +23,6 @@ __all__ = ["CheckResult", "DoctorOptions", "FAMILIES", "add_arguments", "exit_co
            "run_checks"]
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (an ep_size of 0 is an argument error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     """argparse type: a number of seconds or minutes > 0."""
     try:
@@ -58,12 +47,14 @@ def _families(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's options, for the CLI's ``doctor`` sub-command."""
+    from troubleshooter.cli import positive_int  # the CLI owns its argument types
+
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--config", metavar="PATH", help="also lint this DeepSpeed config")
-    parser.add_argument("--ep-size", type=_positive_int, metavar="N", help="planned expert-parallel size")
-    parser.add_argument("--num-experts", type=_positive_int, metavar="E", help="experts per MoE layer")
-    parser.add_argument("--gpus-per-node", type=_positive_int, metavar="G", help="GPUs in each node")
-    parser.add_argument("--world-size", type=_positive_int, metavar="N", help="total number of ranks")
+    parser.add_argument("--ep-size", type=positive_int, metavar="N", help="planned expert-parallel size")
+    parser.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per MoE layer")
+    parser.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="GPUs in each node")
+    parser.add_argument("--world-size", type=positive_int, metavar="N", help="total number of ranks")
     parser.add_argument("--timeout", type=_positive_float, default=60.0, metavar="SECONDS",
                         help="time limit of each probe (default: 60)")
     parser.add_argument("--only", type=_families, metavar="FAMILIES", default=FAMILIES,
