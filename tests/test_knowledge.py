@@ -148,13 +148,16 @@ def _write_entry(tmp_path: Path, name: str, **changes) -> Path:
     fields = {
         "id": name, "title": "t", "family": "config", "severity": "info",
         "checked_against": "deepspeed 0.19.8", "symptoms": ["s"], "patterns": ["abc"],
-        "cause": "c", "fix": ["f"], "sources": ["x"],
+        "cause": "c", "sources": ["x"], "fixes": [{"id": "f", "text": "do f"}],
     }
     fields.update(changes)
-    lines = []
+    lines, tables = [], []
     for key, value in fields.items():
-        if value is not None:
+        if key == "fixes":
+            tables += [f"[[fixes]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in item.items()) for item in value]
+        elif value is not None:
             lines.append(f"{key} = {json.dumps(value)}")
+    lines += tables
     path = tmp_path / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -164,7 +167,11 @@ def _write_entry(tmp_path: Path, name: str, **changes) -> Path:
     ({"family": "gpu"}, "family"),
     ({"severity": "fatal"}, "severity"),
     ({"cause": None}, "cause"),
-    ({"fix": []}, "fix"),
+    ({"fixes": []}, "fixes"),
+    ({"fixes": [{"id": "Bad Id", "text": "t"}]}, "fixes"),
+    ({"fixes": [{"id": "a", "text": "t"}, {"id": "a", "text": "u"}]}, "fixes"),
+    ({"fixes": [{"id": "a", "text": "t", "extra": 1}]}, "fixes"),
+    ({"fix": ["old list form"]}, "fix"),
     ({"patterns": ["(unclosed"]}, "patterns"),
     ({"patch": "{not json", "patch_kind": "json"}, "patch"),
     ({"patch": "{}"}, "patch_kind"),

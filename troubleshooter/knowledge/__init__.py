@@ -19,10 +19,14 @@ Entry schema (every key is required unless marked optional)::
                                       # A pattern that uses \Z ("the log ends here") is tried
                                       # on the last TAIL_CHARS characters only.
     cause = '''why it happens'''
-    fix = ["step 1", "step 2"]        # ordered: do the first step first
     patch = '''{"json": "merge patch"}'''   # optional: a DeepSpeed config patch or a code diff
     patch_kind = "json"               # json | diff; required when patch is present
     sources = ["file::function (version)", "https://..."]  # at least one
+
+    [[fixes]]                         # at the end of the file, one table per fix, ordered:
+    id = "lower-micro-batch"          # do the first one first. ``id``: a stable slug, unique in
+    text = "Lower ... to {micro}."    # the entry; code cites fixes by id, never by position.
+                                      # ``text`` may hold {placeholders} the caller fills in.
 
 ``load_entries()`` raises :class:`KnowledgeError` naming the file and the field for any
 violation, so a broken entry fails the test suite instead of a user's session.
@@ -49,8 +53,10 @@ __all__ = [
     "FAMILIES",
     "SEVERITIES",
     "Entry",
+    "Fix",
     "KnowledgeError",
     "Match",
+    "fix",
     "get",
     "load_entries",
     "match",
@@ -67,7 +73,7 @@ PATCH_KINDS = frozenset({"json", "diff"})
 _REGEX_FLAGS = re.IGNORECASE | re.MULTILINE
 _ID_RE = re.compile(r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$")
 _STR_FIELDS = ("id", "title", "family", "severity", "checked_against", "cause")
-_LIST_FIELDS = ("symptoms", "patterns", "fix", "sources")
+_LIST_FIELDS = ("symptoms", "patterns", "sources")
 _OPTIONAL = ("patch", "patch_kind")
 #: A snippet longer than this is cut: log lines can be megabytes long (progress bars, tensors).
 SNIPPET_CHARS = 300
@@ -78,6 +84,18 @@ TAIL_CHARS = 16 * 1024
 
 class KnowledgeError(ValueError):
     """An entry file breaks the schema; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One fix step of an entry, cited by ``(entry id, fix id)``."""
+
+    id: str
+    text: str
+
+    def render(self, **values: object) -> str:
+        """The text with its ``{placeholders}`` filled in; a missing value raises KeyError."""
+        return self.text.format(**values) if values else self.text
 
 
 @dataclass(frozen=True)
@@ -92,7 +110,7 @@ class Entry:
     symptoms: tuple[str, ...]
     patterns: tuple[str, ...]
     cause: str
-    fix: tuple[str, ...]
+    fixes: tuple[Fix, ...]
     sources: tuple[str, ...]
     patch: str | None = None
     patch_kind: str | None = None
@@ -100,6 +118,18 @@ class Entry:
     #: Per compiled pattern, a lower-case literal every match must contain ("" when none): a
     #: substring test on the lowered text skips the regex for most patterns on most logs.
     anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def fix(self) -> tuple[str, ...]:
+        """The fix texts, in order (placeholders unfilled)."""
+        return tuple(f.text for f in self.fixes)
+
+    def get_fix(self, fix_id: str) -> Fix:
+        """The fix with this id; a KeyError naming the entry's fix ids when there is none."""
+        for f in self.fixes:
+            if f.id == fix_id:
+                return f
+        raise KeyError(f"entry {self.id!r} has no fix {fix_id!r}; its fixes: {', '.join(f.id for f in self.fixes)}")
 
     def patch_json(self) -> dict | None:
         """The patch parsed as a JSON object, when it is a JSON patch."""
@@ -139,7 +169,7 @@ def _check_strings(path: Path, data: dict) -> None:
 
 
 def _check_values(path: Path, data: dict) -> None:
-    unknown = set(data) - set(_STR_FIELDS) - set(_LIST_FIELDS) - set(_OPTIONAL)
+    unknown = set(data) - set(_STR_FIELDS) - set(_LIST_FIELDS) - set(_OPTIONAL) - {"fixes"}
     if unknown:
         raise _fail(path, sorted(unknown)[0], "unknown field")
     if data["id"] != path.stem or not _ID_RE.match(data["id"]):
@@ -148,6 +178,25 @@ def _check_values(path: Path, data: dict) -> None:
         raise _fail(path, "family", f"{data['family']!r} is not one of {sorted(FAMILIES)}")
     if data["severity"] not in SEVERITIES:
         raise _fail(path, "severity", f"{data['severity']!r} is not one of {list(SEVERITIES)}")
+
+
+def _parse_fixes(path: Path, data: dict) -> tuple[Fix, ...]:
+    raw = data.get("fixes")
+    if not isinstance(raw, list) or not raw:
+        raise _fail(path, "fixes", "missing: add at least one [[fixes]] table with 'id' and 'text'")
+    fixes: list[Fix] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or set(item) != {"id", "text"}:
+            raise _fail(path, "fixes", f"table {i + 1} must have exactly the keys 'id' and 'text'")
+        fix_id, text = item["id"], item["text"]
+        if not isinstance(fix_id, str) or not _ID_RE.match(fix_id):
+            raise _fail(path, "fixes", f"table {i + 1}: id {fix_id!r} must be a lower-case slug ('-' separated)")
+        if not isinstance(text, str) or not text.strip():
+            raise _fail(path, "fixes", f"table {i + 1} ({fix_id}): text missing or empty")
+        if any(f.id == fix_id for f in fixes):
+            raise _fail(path, "fixes", f"id {fix_id!r} is used twice")
+        fixes.append(Fix(fix_id, text.strip()))
+    return tuple(fixes)
 
 
 def _check_patch(path: Path, data: dict) -> None:
@@ -202,10 +251,11 @@ def load_entry(path: Path) -> Entry:
     _check_strings(path, data)
     _check_values(path, data)
     _check_patch(path, data)
+    fixes = _parse_fixes(path, data)
     return Entry(
         id=data["id"], title=data["title"], family=data["family"], severity=data["severity"],
         checked_against=data["checked_against"], symptoms=tuple(data["symptoms"]),
-        patterns=tuple(data["patterns"]), cause=data["cause"].strip(), fix=tuple(data["fix"]),
+        patterns=tuple(data["patterns"]), cause=data["cause"].strip(), fixes=fixes,
         sources=tuple(data["sources"]), patch=data.get("patch"), patch_kind=data.get("patch_kind"),
         compiled=_compile(path, data["patterns"]),
         anchors=tuple(anchor_of(p) for p in data["patterns"]),
@@ -232,6 +282,11 @@ def get(entry_id: str) -> Entry:
         close = difflib.get_close_matches(entry_id, list(entries), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise KeyError(f"no knowledge-base entry {entry_id!r}{hint}") from None
+
+
+def fix(entry_id: str, fix_id: str) -> Fix:
+    """The fix ``fix_id`` of entry ``entry_id``: how code cites advice (never by list position)."""
+    return get(entry_id).get_fix(fix_id)
 
 
 def _line_at(text: str, offset: int) -> tuple[int, str]:
