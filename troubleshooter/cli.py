@@ -23,6 +23,7 @@ from typing import Sequence
 from rich.console import Console
 
 from troubleshooter import __version__, explain, lint, render
+from troubleshooter.argtypes import positive_int
 
 __all__ = ["build_parser", "main"]
 
@@ -44,17 +45,6 @@ def _add_lint(sub: argparse._SubParsersAction) -> None:
                    help="number of ranks, to check batch arithmetic and ep_size divisibility")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_run_lint)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (0 or a word is an argument error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _run_lint(args: argparse.Namespace) -> int:
