@@ -65,12 +65,15 @@ def _derive(tbs: int | None, micro: int | None, acc: int | None, world: int) -> 
     return {}
 
 
-def _suggest(tbs: int, micro: int | None, world: int) -> tuple[int, int] | None:
-    """(micro, accumulation) with tbs = micro x acc x world, keeping micro when possible."""
+def _suggest(tbs: int, micro: int | None, acc: int | None, world: int) -> tuple[int, int] | None:
+    """(micro, accumulation) with tbs = micro x acc x world: keep the given accumulation when it
+    fits (as DeepSpeed derives the micro batch), else the largest micro batch <= the given one."""
     if tbs % world:
         return None
     per_rank = tbs // world
-    start = min(micro or per_rank, per_rank)
+    if acc is not None and acc > 0 and per_rank % acc == 0:
+        return per_rank // acc, acc
+    start = min(micro or per_rank, per_rank) if (micro or 0) > 0 else per_rank
     best = next(m for m in range(start, 0, -1) if per_rank % m == 0)
     return best, per_rank // best
 
@@ -101,11 +104,12 @@ def _batch_with_world(ctx: Context, tbs: int | None, micro: int | None, acc: int
     acc_eff = derived.get("gradient_accumulation_steps", acc)
     if micro_eff > 0 and acc_eff > 0 and tbs == micro_eff * acc_eff * world:
         return
-    suggestion = _suggest(tbs, micro, world)
+    suggestion = _suggest(tbs, micro, acc, world)
     if suggestion:
         good_micro, good_acc = suggestion
         fix = knowledge.fix("batch-arithmetic", "set-micro-and-accumulation")
-        patch = {"train_micro_batch_size_per_gpu": good_micro, "gradient_accumulation_steps": good_acc}
+        patch = {k: v for k, v, given in (("train_micro_batch_size_per_gpu", good_micro, micro),
+                                           ("gradient_accumulation_steps", good_acc, acc)) if v != given}
     else:
         good_micro = good_acc = None
         fix, patch = knowledge.fix("batch-arithmetic", "set-all-three"), None
