@@ -47,7 +47,16 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ExportError(ValueError):
-    """A checkpoint cannot be exported; the message names the problem and the fix."""
+    """A checkpoint cannot be exported; the message names the problem and the fix. It starts with
+    ``[<entry-id>] `` (export-checkpoint-dir, export-output or export-shards), the troubleshooter
+    knowledge-base entry that explains it; ``entry_id`` holds that id."""
+
+    entry_id: str | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        if message.startswith("[") and "] " in message:
+            self.entry_id = message[1:message.index("] ")]
 
 
 # =====================================================================================
@@ -329,10 +338,10 @@ def _progress(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
 
 def _locate(path: Path) -> tuple[Path, dict[str, Any]]:
     if not path.exists():
-        raise ExportError(f"checkpoint directory not found: {path}. Pass the directory that "
+        raise ExportError(f"[export-checkpoint-dir] checkpoint directory not found: {path}. Pass the directory that "
                           "trainer.save_checkpoint(...) or ModelCheckpoint wrote (it holds 'latest' and 'checkpoint/').")
     if not path.is_dir():
-        raise ExportError(f"{path} is a file, not a checkpoint directory. Under DeepSpeed, "
+        raise ExportError(f"[export-checkpoint-dir] {path} is a file, not a checkpoint directory. Under DeepSpeed, "
                           "trainer.save_checkpoint(...) writes a directory; pass that directory.")
     if not (path / META_FILE).is_file() and (path.parent / META_FILE).is_file():
         path = path.parent  # the user pointed at checkpoint/ inside it
@@ -340,31 +349,31 @@ def _locate(path: Path) -> tuple[Path, dict[str, Any]]:
     if not meta_path.is_file():
         deepspeed_like = (path / "latest").is_file() or any(path.glob("*/zero_pp_rank_*_model_states.pt"))
         if deepspeed_like:
-            raise ExportError(f"{path} has no {META_FILE}: it was not written by ZeroMoEStrategy (or by an older "
+            raise ExportError(f"[export-checkpoint-dir] {path} has no {META_FILE}: it was not written by ZeroMoEStrategy (or by an older "
                               "version), so the names of the model's own parameters are unknown. Load it with "
                               "Trainer(strategy=ZeroMoEStrategy(...)) and call trainer.save_checkpoint(...) again; "
                               "without expert parallelism, DeepSpeed's zero_to_fp32 also works.")
-        raise ExportError(f"{path} is not a DeepSpeed checkpoint directory (no 'latest', no "
+        raise ExportError(f"[export-checkpoint-dir] {path} is not a DeepSpeed checkpoint directory (no 'latest', no "
                           f"zero_pp_rank_*_model_states.pt, no {META_FILE}). Pass the directory that "
                           "trainer.save_checkpoint(...) wrote.")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ExportError(f"{meta_path} is unreadable ({err}). It is rewritten by every "
+        raise ExportError(f"[export-checkpoint-dir] {meta_path} is unreadable ({err}). It is rewritten by every "
                           "trainer.save_checkpoint(...) under ZeroMoEStrategy; save the checkpoint again.") from None
     if meta.get("format") != META_FORMAT or meta.get("version") != META_VERSION:
-        raise ExportError(f"{meta_path} has format {meta.get('format')!r} version {meta.get('version')!r}; this "
+        raise ExportError(f"[export-checkpoint-dir] {meta_path} has format {meta.get('format')!r} version {meta.get('version')!r}; this "
                           f"exporter reads {META_FORMAT!r} version {META_VERSION}. Use the lightning_zeromoe "
                           "version that trained the model.")
     if meta.get("unsupported"):
-        raise ExportError("this checkpoint's model has parts the exporter cannot map back to the model's own names: "
+        raise ExportError("[export-shards] this checkpoint's model has parts the exporter cannot map back to the model's own names: "
                           + "; ".join(meta["unsupported"]) + ". Convert it with DeepSpeed's ds_to_universal instead "
                           "(AutoEP names), or report the model to lightning_zeromoe.")
     latest = path / "latest"
     if latest.is_file():
         tag = latest.read_text().strip()
         if tag != meta["tag"]:
-            raise ExportError(f"{latest} names tag {tag!r} but {META_FILE} describes {meta['tag']!r}: the directory "
+            raise ExportError(f"[export-checkpoint-dir] {latest} names tag {tag!r} but {META_FILE} describes {meta['tag']!r}: the directory "
                               "mixes two saves. Export a directory written by one trainer.save_checkpoint(...).")
     return path, meta
 
@@ -372,13 +381,13 @@ def _locate(path: Path) -> tuple[Path, dict[str, Any]]:
 def _check_output(out_path: Path, ckpt_dir: Path, overwrite: bool) -> None:
     resolved = out_path.resolve()
     if resolved == ckpt_dir.resolve() or ckpt_dir.resolve() in resolved.parents:
-        raise ExportError(f"refusing to write {out_path} inside the checkpoint directory {ckpt_dir}: the source "
+        raise ExportError(f"[export-output] refusing to write {out_path} inside the checkpoint directory {ckpt_dir}: the source "
                           "checkpoint is never modified. Choose a path outside it.")
     if out_path.exists() and not overwrite:
-        raise ExportError(f"{out_path} already exists. Choose another path, or pass --overwrite "
+        raise ExportError(f"[export-output] {out_path} already exists. Choose another path, or pass --overwrite "
                           "(overwrite=True) to replace it.")
     if not out_path.parent.is_dir():
-        raise ExportError(f"output directory {out_path.parent} does not exist. Create it first.")
+        raise ExportError(f"[export-output] output directory {out_path.parent} does not exist. Create it first.")
 
 
 def _target_dtype(dtype: str, meta: dict[str, Any]) -> Any:
@@ -387,33 +396,33 @@ def _target_dtype(dtype: str, meta: dict[str, Any]) -> Any:
     name = meta.get("dtype", "float32") if dtype == "auto" else dtype
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(name, name)
     if name not in _DTYPES:
-        raise ExportError(f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16.")
+        raise ExportError(f"[export-output] unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16.")
     return getattr(torch, name)
 
 
 def _shard_files(ckpt_dir: Path, meta: dict[str, Any]) -> list[tuple[Path, Path]]:
     tag_dir = ckpt_dir / meta["tag"]
     if not tag_dir.is_dir():
-        raise ExportError(f"{tag_dir} is missing: the DeepSpeed shards of this checkpoint are gone. Copy the whole "
+        raise ExportError(f"[export-checkpoint-dir] {tag_dir} is missing: the DeepSpeed shards of this checkpoint are gone. Copy the whole "
                           "directory that trainer.save_checkpoint(...) wrote, including its 'checkpoint/' folder.")
     found: dict[int, Path] = {}
     for f in tag_dir.iterdir():
         m = _MODEL_FILE.fullmatch(f.name)
         if m:
             if int(m.group(2)) != 0:
-                raise ExportError(f"{f.name}: tensor/pipeline-parallel shards (mp_rank > 0) are not supported.")
+                raise ExportError(f"[export-shards] {f.name}: tensor/pipeline-parallel shards (mp_rank > 0) are not supported.")
             found[int(m.group(1))] = f
     world = int(meta["world_size"])
     missing = [r for r in range(world) if r not in found]
     if missing or len(found) != world:
-        raise ExportError(f"{tag_dir} holds model shards for ranks {sorted(found)} but the run had {world} ranks "
+        raise ExportError(f"[export-checkpoint-dir] {tag_dir} holds model shards for ranks {sorted(found)} but the run had {world} ranks "
                           f"(missing: {missing or 'none'}; extra: {sorted(set(found) - set(range(world))) or 'none'}). "
                           "Copy every rank's files: each holds a different part of the model.")
     pairs = []
     for r in range(world):
         optim = tag_dir / found[r].name.replace("_model_states.pt", "_optim_states.pt")
         if not optim.is_file():
-            raise ExportError(f"{optim} is missing: under ZeRO-3 the weights live in the optimizer shards "
+            raise ExportError(f"[export-checkpoint-dir] {optim} is missing: under ZeRO-3 the weights live in the optimizer shards "
                               "(fp32 master copies). Copy every rank's *_optim_states.pt file.")
         pairs.append((found[r], optim))
     return pairs
@@ -456,7 +465,7 @@ def _load(path: Path, *, optimizer: bool) -> dict[str, Any]:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as err:
             if optimizer and "global" in str(err).lower():
-                raise ExportError(f"shard {path} holds objects this exporter does not know ({_unsupported_global(err)}); "
+                raise ExportError(f"[export-shards] shard {path} holds objects this exporter does not know ({_unsupported_global(err)}); "
                                   "it was probably written by a newer DeepSpeed. Report it with your DeepSpeed "
                                   "version.") from None
             if optimizer:
@@ -464,7 +473,7 @@ def _load(path: Path, *, optimizer: bool) -> dict[str, Any]:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, ValueError) as err:
         reason = (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0][:200]
-        raise ExportError(f"shard {path} is unreadable ({reason}): it is truncated or corrupt, e.g. an interrupted "
+        raise ExportError(f"[export-shards] shard {path} is unreadable ({reason}): it is truncated or corrupt, e.g. an interrupted "
                           "copy or a full disk at save time. Copy it again from the training machine, or export "
                           "an earlier checkpoint.") from None
 
@@ -479,7 +488,7 @@ def _rank_view(rank: int, model_file: Path, optim_file: Path, model_states: dict
     """The parts of one rank's shards the export reads, checked for shape."""
     osd = optim_states.get("optimizer_state_dict") if isinstance(optim_states, dict) else None
     if not isinstance(osd, dict) or "fp32_flat_groups" not in osd or "param_shapes" not in model_states:
-        raise ExportError(f"{optim_file} / {model_file} are not ZeRO stage-3 shards (no fp32_flat_groups / "
+        raise ExportError(f"[export-shards] {optim_file} / {model_file} are not ZeRO stage-3 shards (no fp32_flat_groups / "
                           "param_shapes). Export reads checkpoints of ZeroMoEStrategy(stage=3).")
     flats = osd["fp32_flat_groups"]
     shapes = model_states["param_shapes"]
@@ -489,14 +498,14 @@ def _rank_view(rank: int, model_file: Path, optim_file: Path, model_states: dict
         groups = [{"sub_group": i, "partition_count": world, "partition_rank": rank,
                    "partition_ranks": list(range(world)), "families": ["replicated"]} for i in range(len(flats))]
     if not (len(flats) == len(shapes) == len(groups)):
-        raise ExportError(f"{model_file}: {len(shapes)} parameter groups but {len(flats)} flat fp32 partitions in "
+        raise ExportError(f"[export-shards] {model_file}: {len(shapes)} parameter groups but {len(flats)} flat fp32 partitions in "
                           f"{optim_file.name}: the two files come from different saves. Copy both from one save.")
     layers = {e["expert_key_prefix"]: e for e in (model_states.get("ds_autoep_layers") or [])}
     buffers = {n: model_states["module"][n] for n in (model_states.get("buffer_names") or [])
                if n in model_states.get("module", {})}
     frozen = model_states.get("frozen_param_shapes") or {}
     if frozen:
-        raise ExportError(f"{model_file}: frozen parameters ({', '.join(list(frozen)[:4])}...) are stored apart from "
+        raise ExportError(f"[export-shards] {model_file}: frozen parameters ({', '.join(list(frozen)[:4])}...) are stored apart from "
                           "the optimizer; exporting them is not supported yet. Unfreeze them before saving "
                           "(requires_grad=True with lr 0 keeps them fixed).")
     return {"rank": rank, "file": model_file, "flats": flats, "groups": groups,
@@ -516,7 +525,7 @@ def _reassemble(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, 
     num_groups = len(ranks[0]["groups"])
     for r in ranks:
         if len(r["groups"]) != num_groups:
-            raise ExportError(f"{r['file']} has {len(r['groups'])} parameter groups, rank 0 has {num_groups}: "
+            raise ExportError(f"[export-shards] {r['file']} has {len(r['groups'])} parameter groups, rank 0 has {num_groups}: "
                               "the shards come from different runs. Copy all ranks' files from one save.")
     for g in range(num_groups):
         partitions: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
@@ -527,13 +536,13 @@ def _reassemble(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, 
         for key, members in partitions.items():
             count = len(key)
             if sorted(members) != list(range(count)):
-                raise ExportError(f"parameter group {g}: partition ranks {key} expected, found shards for "
+                raise ExportError(f"[export-shards] parameter group {g}: partition ranks {key} expected, found shards for "
                                   f"{sorted(members)}. Copy every rank's files from one save.")
             first = members[0]
             names = first["shapes"][g]
             for m in members.values():
                 if list(m["shapes"][g]) != list(names):
-                    raise ExportError(f"{m['file']}: parameter group {g} lists other parameters than rank "
+                    raise ExportError(f"[export-shards] {m['file']}: parameter group {g} lists other parameters than rank "
                                       f"{first['rank']}'s: the shards come from different runs.")
             families = first["groups"][g].get("families") or ["replicated"]
             offset = 0
@@ -545,7 +554,7 @@ def _reassemble(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, 
                 for p in range(count):
                     flat = members[p]["flats"][g]
                     if flat.numel() < offset + part:
-                        raise ExportError(f"{members[p]['file'].name.replace('model_states', 'optim_states')}: its "
+                        raise ExportError(f"[export-shards] {members[p]['file'].name.replace('model_states', 'optim_states')}: its "
                                           f"fp32 partition of group {g} ends at {flat.numel()} values, before "
                                           f"{name} ({offset + part} needed): the shard does not belong to this "
                                           "model. Copy every rank's files from one save.")
@@ -555,16 +564,16 @@ def _reassemble(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, 
                 if "autoep_expert" in families:
                     layer = first["layers"].get(name.rsplit(".", 1)[0])
                     if layer is None:
-                        raise ExportError(f"{first['file']}: expert parameter {name} has no ds_autoep_layers entry.")
+                        raise ExportError(f"[export-shards] {first['file']}: expert parameter {name} has no ds_autoep_layers entry.")
                     ids = _global_experts(layer)
                     if len(ids) != shape[0]:
-                        raise ExportError(f"{name}: rank holds {shape[0]} experts but its placement lists {ids}.")
+                        raise ExportError(f"[export-shards] {name}: rank holds {shape[0]} experts but its placement lists {ids}.")
                     slot = experts.setdefault(name, {})
                     for i, e in enumerate(ids):
                         slot[e] = full[i]
                 else:
                     if name in dense:
-                        raise ExportError(f"{name} appears in two partition groups; the shards are inconsistent.")
+                        raise ExportError(f"[export-shards] {name} appears in two partition groups; the shards are inconsistent.")
                     dense[name] = full
     return dense, experts
 
@@ -636,7 +645,7 @@ def _rename(dense: dict[str, Any], experts: dict[str, dict[int, Any]], buffers: 
     if wrong:
         problems.append("shapes differ: " + _short_list(wrong))
     if problems:
-        raise ExportError(f"the checkpoint shards do not match the model described by {META_FILE} (a mismatched "
+        raise ExportError(f"[export-shards] the checkpoint shards do not match the model described by {META_FILE} (a mismatched "
                           f"model or mixed files): {'; '.join(problems)}. Export the directory exactly as "
                           "trainer.save_checkpoint(...) wrote it; do not mix files from different runs.")
     return out

@@ -224,7 +224,10 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 class ZeroDeviceMoveError(RuntimeError):
-    """A module tried to move or cast its ZeRO-3 parameters during training."""
+    """A module tried to move or cast its ZeRO-3 parameters during training. The message starts
+    with ``[zero3-module-move] ``, its troubleshooter knowledge-base entry."""
+
+    entry_id = "zero3-module-move"
 
 
 MOVE_METHODS = ("to", "cuda", "cpu", "half", "float", "bfloat16", "double", "type")
@@ -375,7 +378,7 @@ class DeviceMoveGuard:
         site = _call_site()
         if (path, call, site) not in self.warned:
             self.warned.add((path, call, site))
-            warnings.warn(f"ZeroMoEStrategy: {call} on module '{path}' ({type(module).__name__}) at {site} runs inside "
+            warnings.warn(f"[zero3-noop-move] ZeroMoEStrategy: {call} on module '{path}' ({type(module).__name__}) at {site} runs inside "
                           f"forward, but the module is already on {self.device}"
                           f"{' in ' + str(next(iter(floats))) if len(floats) == 1 else ''}: ignored (a no-op). "
                           "Remove the call; it would otherwise walk every parameter each step.", stacklevel=3)
@@ -386,7 +389,7 @@ class DeviceMoveGuard:
         want = " and ".join(x for x in (f"move it to {device}" if device else "",
                                        f"cast it to {dtype}" if dtype else "") if x) or "change its tensors"
         where = "during forward" if self.in_forward else "after the DeepSpeed engine was set up"
-        return (f"{call} on module '{path}' ({type(module).__name__}) at {_call_site()} {where} would {want}. "
+        return (f"[zero3-module-move] {call} on module '{path}' ({type(module).__name__}) at {_call_site()} {where} would {want}. "
                 "ZeRO-3 cannot allow this: each parameter's storage is a partition of a flat buffer owned by the "
                 "DeepSpeed optimizer (param.ds_tensor); the tensor the module sees in forward is a temporary gathered "
                 "copy. Moving or casting the module rebinds param.data (or, between devices torch cannot swap in place, "
@@ -427,14 +430,14 @@ class AuditReport:
         for s in self.stale:
             ranks = "" if s.world_size == 1 else f" (on {s.world_size - s.ranks_with_grad} of {s.world_size} ranks)"
             out.append(
-                f"parameter {s.name} requires grad but received no gradient in the first {self.steps} optimizer "
+                f"[zero3-no-gradient] parameter {s.name} requires grad but received no gradient in the first {self.steps} optimizer "
                 f"steps{ranks}, so it is not training. Likely causes: forward uses a cached `.data` or a detached "
                 "copy of it instead of the parameter (under ZeRO-3 such a copy also pins the full, unpartitioned "
                 "weight), or it sits in a branch that did not run (an unused head, an expert that got no tokens, "
                 "code under torch.no_grad()). Set requires_grad=False if it is meant to be frozen.")
         for a in self.aliases:
             out.append(
-                f"module attribute {a.attribute} holds a full-size tensor ({a.numel} elements) aliasing the gathered "
+                f"[zero3-aliased-weight] module attribute {a.attribute} holds a full-size tensor ({a.numel} elements) aliasing the gathered "
                 f"storage of ZeRO-3 parameter {a.parameter}. DeepSpeed frees the gathered copy after each use; this "
                 "reference keeps the whole unpartitioned weight alive, it never sees optimizer updates, and "
                 "gradients through it never reach the parameter. Use the parameter itself in forward.")

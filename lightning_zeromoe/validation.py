@@ -16,7 +16,18 @@ from lightning_zeromoe.discovery import Discovery
 
 
 class ZeroMoEConfigError(ValueError):
-    """A setting that cannot work, found before any process starts communicating."""
+    """A setting that cannot work, found before any process starts communicating.
+
+    The message starts with ``[<entry-id>] ``, the troubleshooter knowledge-base entry that explains
+    it; ``entry_id`` holds that id.
+    """
+
+    entry_id: str | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        if message.startswith("[") and "] " in message:
+            self.entry_id = message[1:message.index("] ")]
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,7 @@ def check_layout(layout: Layout, found: Discovery) -> list[str]:
 def _check_native_moe(layout: Layout, found: Discovery) -> None:
     if layout.stage == 3 and found.native_moe:
         raise ZeroMoEConfigError(
-            f"{len(found.native_moe)} native deepspeed.moe.layer.MoE module(s) found ({found.native_moe[0]}, ...), "
+            f"[native-moe-zero3] {len(found.native_moe)} native deepspeed.moe.layer.MoE module(s) found ({found.native_moe[0]}, ...), "
             f"and DeepSpeed refuses them under ZeRO stage 3 (\"{NATIVE_MOE_ZERO3_MESSAGE}\"). Two ways out: "
             "(1) keep stage 3 and let AutoEP convert a plain MoE block: a Hugging Face MoE model "
             "(Mixtral, Qwen3-MoE, DeepSeek-V2/V3) or your own block described with moe_pattern=MoEPattern(...); "
@@ -57,7 +68,7 @@ def _check_blocks_found(layout: Layout, found: Discovery) -> None:
     if layout.ep_size > 1 and not found.blocks:
         where = "\n  ".join(found.candidates) or "(no module name mentions moe/expert/router/gate)"
         raise ZeroMoEConfigError(
-            f"ep_size={layout.ep_size} but no MoE block was found for AutoEP to convert "
+            f"[autoep-no-moe-layers] ep_size={layout.ep_size} but no MoE block was found for AutoEP to convert "
             f"(searched: {found.source if found.source != 'none' else 'HF presets and self-described modules'}). "
             "Describe your blocks with ZeroMoEStrategy(moe_pattern=MoEPattern(block=r'...', top_k=...)), "
             f"or use ep_size=1. Modules that look MoE-like:\n  {where}")
@@ -67,7 +78,7 @@ def check_ep_divides_world(ep_size: int, world_size: int) -> None:
     """Expert-parallel groups of ``ep_size`` ranks must tile the world."""
     if world_size % ep_size:
         raise ZeroMoEConfigError(
-            f"ep_size={ep_size} does not divide the world size {world_size} (devices x num_nodes): experts "
+            f"[ep-size-divisibility] ep_size={ep_size} does not divide the world size {world_size} (devices x num_nodes): experts "
             f"are split over groups of ep_size ranks and the groups must tile the world. Use one of "
             f"{divisors(world_size)}, or change devices/num_nodes.")
 
@@ -76,27 +87,27 @@ def _check_experts(layout: Layout, found: Discovery) -> None:
     for block in found.blocks:
         if block.num_experts % layout.ep_size:
             raise ZeroMoEConfigError(
-                f"ep_size={layout.ep_size} does not divide num_experts={block.num_experts} in '{block.path}': "
+                f"[ep-size-divisibility] ep_size={layout.ep_size} does not divide num_experts={block.num_experts} in '{block.path}': "
                 f"each rank of an expert-parallel group must own the same number of experts. "
                 f"Valid ep_size values: {divisors(block.num_experts)}.")
         if block.top_k is not None and block.top_k > block.num_experts:
             raise ZeroMoEConfigError(
-                f"top_k={block.top_k} exceeds num_experts={block.num_experts} in '{block.path}': a token "
+                f"[moe-top-k-range] top_k={block.top_k} exceeds num_experts={block.num_experts} in '{block.path}': a token "
                 f"cannot pick more experts than exist. Set top_k <= {block.num_experts}.")
         if block.top_k is not None and block.top_k < 1:
-            raise ZeroMoEConfigError(f"top_k={block.top_k} in '{block.path}' must be at least 1.")
+            raise ZeroMoEConfigError(f"[moe-top-k-range] top_k={block.top_k} in '{block.path}' must be at least 1.")
 
 
 def _layout_warnings(layout: Layout, found: Discovery) -> list[str]:
     warnings = []
     if layout.ep_size > layout.devices_per_node:
         warnings.append(
-            f"ep_size={layout.ep_size} is larger than the {layout.devices_per_node} devices per node: "
+            f"[ep-size-crosses-nodes] ep_size={layout.ep_size} is larger than the {layout.devices_per_node} devices per node: "
             "every MoE layer's all-to-all will cross the network. Keep ep_size <= devices per node "
             "where the experts fit.")
     if found.blocks and layout.precision.startswith("16"):
         warnings.append(
-            f"precision={layout.precision!r} (fp16) with MoE: router softmax and the aux loss overflow "
+            f"[fp16-moe] precision={layout.precision!r} (fp16) with MoE: router softmax and the aux loss overflow "
             "easily and the loss scaler skips steps. Use precision='bf16-mixed' or 'bf16-true' where the "
             "hardware supports bf16.")
     return warnings
@@ -111,7 +122,7 @@ def check_batch_arithmetic(config: Mapping[str, Any], world_size: int, accumulat
     accumulation = config.get("gradient_accumulation_steps", accumulate_grad_batches)
     if accumulation != accumulate_grad_batches:
         raise ZeroMoEConfigError(
-            f"gradient_accumulation_steps={accumulation} in your DeepSpeed config disagrees with "
+            f"[lightning-gradient-accumulation] gradient_accumulation_steps={accumulation} in your DeepSpeed config disagrees with "
             f"Trainer(accumulate_grad_batches={accumulate_grad_batches}). Lightning drives accumulation: "
             "remove the key from the config and set it on the Trainer.")
     total, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
@@ -120,6 +131,6 @@ def check_batch_arithmetic(config: Mapping[str, Any], world_size: int, accumulat
     expected = int(micro) * accumulation * world_size
     if int(total) != expected:
         raise ZeroMoEConfigError(
-            f"train_batch_size={total} but train_micro_batch_size_per_gpu x gradient accumulation x "
+            f"[batch-arithmetic] train_batch_size={total} but train_micro_batch_size_per_gpu x gradient accumulation x "
             f"data-parallel ranks = {micro} x {accumulation} x {world_size} = {expected}. DeepSpeed refuses "
             f"this. Set train_batch_size={expected}, or drop it and let DeepSpeed derive it.")

@@ -8,6 +8,9 @@ size 1): start-up is the expensive part, so every such check runs in this one la
   ranks (the size comes through DeepSpeed's mpu interface, as Megatron passes it; DeepSpeedConfig
   reads it only once the process group exists).
 
+* ``device_move``: the message ZeroDeviceMoveError carries when a module calls ``.half()`` on its
+  ZeRO-3 parameters inside forward (a real ZeRO-3 engine with ZeroMoEStrategy's DeviceMoveGuard).
+
 Prints one JSON line.
 
     python tests/jobs/claims_job.py OUT_DIR
@@ -72,6 +75,34 @@ def batch_error(config: dict) -> str:
     return "accepted"
 
 
+def device_move() -> str:
+    from torch import nn
+
+    from lightning_zeromoe.pitfalls import DeviceMoveGuard, ZeroDeviceMoveError
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin.half()
+            return self.lin(x)
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    net = Net()
+    engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config=config)
+    guard = DeviceMoveGuard(net, torch.device("cpu")).install()
+    try:
+        engine(torch.ones(1, 4))
+    except ZeroDeviceMoveError as err:
+        return json.dumps({"message": str(err), "entry_id": err.entry_id})
+    finally:
+        guard.remove()
+    return "no error"
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     out_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
@@ -80,6 +111,7 @@ def main() -> None:
         "batch": {"16/4/8": batch_error({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}),
                   "16/2/1/8": batch_error({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
                                            "gradient_accumulation_steps": 1})},
+        "device_move": device_move(),
     }))
 
 

@@ -14,6 +14,8 @@ Entry schema (every key is required unless marked optional)::
     checked_against = "deepspeed 0.19.8 (engine.py read)"   # what was verified, and how
     symptoms = ["what the user sees", ...]                 # at least one
     patterns = ['regex', ...]         # Python regexes, matched case-insensitively and
+                                      # (besides, every entry matches "[<its id>] ", the prefix of
+                                      # the project's own error messages)
                                       # multi-line over log text; may be empty for entries that
                                       # only lint or doctor cite. Named groups become details.
                                       # A pattern that uses \Z ("the log ends here") is tried
@@ -79,7 +81,7 @@ ENTRIES_DIR = Path(__file__).with_name("entries")
 
 FAMILIES = frozenset({
     "oom", "router-collapse", "timeout", "install", "native-moe-zero3", "zero3-pitfalls", "autoep",
-    "config", "host",
+    "config", "host", "export",
 })
 SEVERITIES = ("error", "warning", "info")
 PATCH_KINDS = frozenset({"json", "diff"})
@@ -346,11 +348,17 @@ def _line_at(text: str, offset: int) -> tuple[int, str]:
     return text.count("\n", 0, offset) + 1, line
 
 
+@lru_cache(maxsize=None)
+def _own_prefix(entry_id: str) -> tuple[re.Pattern[str], str]:
+    """Our own errors start with ``[<entry-id>] ``: every entry recognises its id in that form."""
+    return re.compile(r"(?<![\w\[-])\[" + re.escape(entry_id) + r"\] "), f"[{entry_id}] "
+
+
 def _match_entry(entry: Entry, text: str, lowered: str) -> Match | None:
     last: re.Match[str] | None = None
     last_pattern = ""
     count = 0
-    for pattern, anchor in zip(entry.compiled, entry.anchors):
+    for pattern, anchor in (*zip(entry.compiled, entry.anchors), _own_prefix(entry.id)):
         if anchor and anchor not in lowered:
             continue
         start = max(0, len(text) - TAIL_CHARS) if r"\Z" in pattern.pattern else 0

@@ -1,0 +1,130 @@
+"""Our own errors carry their knowledge-base entry: each message starts with ``[<entry-id>] ``,
+the exception has ``entry_id``, and ``knowledge.match`` (what ``explain`` uses) finds that entry.
+
+The messages are the real ones: triggered in-process the way tests/test_validation.py and
+tests/test_pitfalls.py trigger them (a real Trainer + strategy ``prepare()``; the guard on a real
+module; the audit report built from its own dataclasses; ``export`` on bad directories), and, for
+the device-move error that needs ZeRO-3 parameters, in the one-process job
+tests/jobs/claims_job.py (shared with tests/test_knowledge_claims.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zeromoe import MoEPattern, checkpoint, pitfalls
+from lightning_zeromoe.discovery import discover
+from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
+from claims_util import claims
+from test_validation import DenseModule, NativeMoEModule, prepared
+from troubleshooter import knowledge
+
+PREFIX = re.compile(r"^\[(?P<id>[a-z0-9]+(?:[.-][a-z0-9]+)*)\] ")
+
+
+def _config_errors() -> list[ZeroMoEConfigError]:
+    import lightning as L
+
+    from lightning_zeromoe import ZeroMoEStrategy
+
+    cases = [
+        lambda: L.Trainer(accelerator="cpu", devices=2, strategy=ZeroMoEStrategy(ep_size=3), logger=False),
+        lambda: prepared(TinyMoEModule(TinyMoEConfig(num_experts=3)), ep_size=2),
+        lambda: prepared(TinyMoEModule(), ep_size=2, moe_pattern=MoEPattern(block=r"model\.layers\.\d+\.mlp", top_k=8)),
+        lambda: prepared(DenseModule(), ep_size=2),
+        lambda: prepared(NativeMoEModule(), ep_size=1),
+        lambda: prepared(TinyMoEModule(), ep_size=2, config={"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}),
+        lambda: check_batch_arithmetic({"gradient_accumulation_steps": 4}, 2, 1),
+        lambda: prepared(TinyMoEModule(), ep_size=2, moe_pattern=MoEPattern(block=r"model\.layers\.\d+\.mlp", top_k=0)),
+    ]
+    errors = []
+    for case in cases:
+        with pytest.raises(ZeroMoEConfigError) as err:
+            case()
+        errors.append(err.value)
+    return errors
+
+
+def _check(message: str, expected: str | None = None) -> str:
+    """The message starts with its entry id, and knowledge.match finds that entry first."""
+    prefix = PREFIX.match(message)
+    assert prefix, f"no [entry-id] prefix: {message[:120]!r}"
+    entry_id = prefix.group("id")
+    assert expected in (None, entry_id), (expected, message[:120])
+    matches = knowledge.match(message)
+    assert matches and matches[0].entry.id == entry_id, (entry_id, [m.entry.id for m in matches])
+    return entry_id
+
+
+def test_every_validation_error_names_its_entry():
+    ids = set()
+    for err in _config_errors():
+        ids.add(_check(str(err), err.entry_id))
+    assert ids == {"ep-size-divisibility", "moe-top-k-range", "autoep-no-moe-layers", "native-moe-zero3",
+                   "batch-arithmetic", "lightning-gradient-accumulation"}
+
+
+def test_validation_warnings_name_their_entry():
+    found = discover(TinyMoEModule())
+    warned = check_layout(Layout(world_size=4, devices_per_node=2, ep_size=4, stage=3, precision="16-mixed"), found)
+    assert {_check(w) for w in warned} == {"ep-size-crosses-nodes", "fp16-moe"}
+
+
+def test_pitfall_warnings_and_audit_messages_name_their_entry():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            self.lin.to("cpu")
+            return self.lin(x)
+
+    net = Net()
+    guard = pitfalls.DeviceMoveGuard(net, torch.device("cpu")).install()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            net(torch.ones(1, 2))
+    finally:
+        guard.remove()
+    [noop] = [str(w.message) for w in caught]
+    assert _check(noop) == "zero3-noop-move"
+    report = pitfalls.AuditReport(steps=3, stale=[pitfalls.StaleParameter("sidecar.weight", 1, 2)],
+                                  aliases=[pitfalls.AliasedAttribute("sidecar.cached", "sidecar.weight", 256)])
+    assert [_check(m) for m in report.messages()] == ["zero3-no-gradient", "zero3-aliased-weight"]
+
+
+def test_device_move_error_names_its_entry():
+    moved = json.loads(claims()["device_move"])
+    assert moved["entry_id"] == pitfalls.ZeroDeviceMoveError.entry_id == "zero3-module-move"
+    assert _check(moved["message"], "zero3-module-move") and ".half()" in moved["message"]
+
+
+def test_export_errors_name_their_entry(tmp_path):
+    file = tmp_path / "model.ckpt"
+    file.write_text("x")
+    out = tmp_path / "out.safetensors"
+    cases = {tmp_path / "missing": "export-checkpoint-dir", file: "export-checkpoint-dir",
+             tmp_path: "export-checkpoint-dir"}
+    for ckpt, expected in cases.items():
+        with pytest.raises(checkpoint.ExportError) as err:
+            checkpoint.export(ckpt, out, progress=False)
+        assert err.value.entry_id == expected
+        _check(str(err.value), expected)
+    with pytest.raises(checkpoint.ExportError) as err:
+        checkpoint._check_output(file, tmp_path / "ckpt", overwrite=False)
+    _check(str(err.value), "export-output")
+
+
+def test_every_own_error_entry_exists_and_the_prefix_alone_is_recognised():
+    for entry_id in ("zero3-module-move", "export-shards", "export-output", "moe-top-k-range"):
+        assert knowledge.match(f"RuntimeError: [{entry_id}] anything")[0].entry.id == entry_id
+    assert not knowledge.match("see [batch-arithmetic]: x")  # a citation in prose is not an error
