@@ -114,7 +114,9 @@ def test_every_entry_with_patterns_is_matched_by_real_text():
     corpus = _corpus()
     matched = {m.entry.id for _, text in corpus for m in knowledge.match(text)}
     with_patterns = {e.id for e in knowledge.load_entries() if e.patterns}
-    assert with_patterns - matched == set()
+    from test_own_errors import OWN_PATTERNS  # fed the real messages there
+
+    assert with_patterns - matched - OWN_PATTERNS == set()
 
 
 def test_anchor_prefilter_never_hides_a_match():

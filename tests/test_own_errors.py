@@ -60,7 +60,16 @@ def _check(message: str, expected: str | None = None) -> str:
     assert expected in (None, entry_id), (expected, message[:120])
     matches = knowledge.match(message)
     assert matches and matches[0].entry.id == entry_id, (entry_id, [m.entry.id for m in matches])
+    if entry_id in OWN_PATTERNS:  # the entry's own patterns recognise the text without the prefix too
+        bare = message[prefix.end():]
+        assert any(m.entry.id == entry_id for m in knowledge.match(bare)), (entry_id, bare[:120])
     return entry_id
+
+
+#: Entries whose patterns exist for our own messages: tests/test_knowledge.py leaves their
+#: real-text check to this file, which feeds them the real messages.
+OWN_PATTERNS = {"moe-top-k-range", "ep-size-crosses-nodes", "zero3-module-move", "zero3-noop-move",
+                "zero3-no-gradient", "zero3-aliased-weight"}
 
 
 def test_every_validation_error_names_its_entry():

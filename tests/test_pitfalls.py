@@ -135,8 +135,8 @@ def test_strategy_stops_moves_with_a_clear_error_and_warns_once_for_no_ops(strat
         assert train["mover_weight"] == {"still_zero_param": True, "dtype": "torch.float32", "device": "cpu"}
         no_ops = [w for w in train["warnings"] if "ignored (a no-op)" in w]
         assert len(no_ops) == 2, no_ops  # .to('cpu') and .float(), 2 steps each: one warning per call
-        assert any(w.startswith("ZeroMoEStrategy: .to('cpu') on module 'model.mover.lin'") for w in no_ops)
-        assert any(w.startswith("ZeroMoEStrategy: .float() on module 'model.mover.lin'") for w in no_ops)
+        assert any(w.startswith("[zero3-noop-move] ZeroMoEStrategy: .to('cpu') on module 'model.mover.lin'") for w in no_ops)
+        assert any(w.startswith("[zero3-noop-move] ZeroMoEStrategy: .float() on module 'model.mover.lin'") for w in no_ops)
         assert all(site in w for w in no_ops)
         # From a callback (outside forward): a same-device call runs silently, a cast is refused.
         outside = train["outside_forward"]
