@@ -307,3 +307,37 @@ def test_wrong_types_are_findings_with_position(tmp_path):
     path.write_text('{"zero_optimization": {"stage": "three"}, "fp16": true}')
     found = {(f.path, f.line, f.col, f.severity) for f in _by(lint.lint_path(path), "config-value-type")}
     assert found == {("zero_optimization.stage", 1, 24, "error"), ("fp16", 1, 43, "error")}
+
+
+PUBLIC = Path(__file__).parent / "fixtures" / "public_configs"  # sources: SOURCES.md there
+
+
+@pytest.mark.parametrize("name, consumer, expected", [
+    # (file, the consumer that runs it, every non-info finding lint must give: all true)
+    ("hf_ds_config_zero2.json", "hf", set()),
+    ("hf_ds_config_zero3.json", "hf", set()),
+    # LLaMA-Factory: overlap_comm off under stage 3, and two sections deepspeed 0.19.8 never reads
+    ("llamafactory_ds_z3_config.json", "hf", {("warning", "zero3-overlap-comm", "zero_optimization.overlap_comm"),
+                                               ("warning", "unknown-config-key", "comms_config"),
+                                               ("warning", "unknown-config-key", "monitor_config")}),
+    ("axolotl_zero3_bf16.json", "hf", set()),  # unprefixed stage-3 keys are DeepSpeed's own aliases
+    ("deepspeed_autoep_zero1_qwen3_5_moe.json", "deepspeed", set()),
+    ("deepspeed_zero3_leaf_qwen3_5.json", "deepspeed", set()),
+])
+def test_public_configs_have_no_false_errors_under_their_consumer(name, consumer, expected):
+    findings = lint.lint_path(PUBLIC / name, world_size=8, consumer=consumer)
+    assert {(f.severity, f.rule, f.path) for f in findings if f.severity != "info"} == expected
+    assert all(f.line is not None for f in findings)
+
+
+def test_public_configs_facts():
+    """What the info findings say about the public configs, and that the HF templates are refused
+    outside the HF Trainer (DeepSpeed cannot read their "auto")."""
+    zero3 = lint.lint_path(PUBLIC / "hf_ds_config_zero3.json", consumer="hf")
+    assert {(f.rule, f.message_id) for f in zero3} >= {("unknown-config-key", "deprecated-renamed")}
+    axolotl = lint.lint_path(PUBLIC / "axolotl_zero3_bf16.json", consumer="hf")
+    assert [(f.rule, f.path) for f in axolotl] == [
+        ("gather-16bit-on-save", "zero_optimization.gather_16bit_weights_on_model_save")]
+    for name in ("hf_ds_config_zero2.json", "llamafactory_ds_z3_config.json", "axolotl_zero3_bf16.json"):
+        raw = lint.lint_path(PUBLIC / name, consumer="deepspeed")
+        assert _by(raw, "hf-auto-value", "error") and _by(raw, "hf-auto-value", "error")[0].line
