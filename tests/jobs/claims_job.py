@@ -11,6 +11,11 @@ size 1): start-up is the expensive part, so every such check runs in this one la
 * ``device_move``: the message ZeroDeviceMoveError carries when a module calls ``.half()`` on its
   ZeRO-3 parameters inside forward (a real ZeRO-3 engine with ZeroMoEStrategy's DeviceMoveGuard).
 
+* ``raised``: what deepspeed.initialize raises for native MoE under ZeRO-3, for native MoE with a
+  plain client optimizer under ZeRO-2, for AutoEP on a Mixtral held as ``self.model`` (no layer
+  found with the preset; top_k unknown with a pattern rooted at the wrapper), and what a ZeRO-3
+  weight used outside the engine's forward raises.
+
 Prints one JSON line.
 
     python tests/jobs/claims_job.py OUT_DIR
@@ -103,6 +108,65 @@ def device_move() -> str:
     return "no error"
 
 
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the claim is about which exception
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def raised() -> dict[str, str]:
+    from torch import nn
+    from deepspeed.moe.layer import MoE
+
+    class NativeMoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1, k=1)
+
+        def forward(self, x):
+            return self.moe(x)[0]
+
+    adam = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+
+    def native_zero3():
+        net = NativeMoE()
+        deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                             config={"train_batch_size": 1, "zero_optimization": {"stage": 3}, "optimizer": adam})
+
+    def native_plain_groups():
+        net = NativeMoE()
+        deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3),
+                             config={"train_batch_size": 1, "zero_optimization": {"stage": 2}})
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = MixtralForCausalLM(MixtralConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1))
+
+        def forward(self, ids):
+            return self.model(ids).logits
+
+    def autoep(extra: dict):
+        ep = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral", **extra}
+        deepspeed.initialize(model=Wrapper(), config={"train_batch_size": 1, "zero_optimization": {"stage": 3},
+                                                      "optimizer": adam, "expert_parallel": ep})
+
+    def outside_forward():
+        net = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8))
+        engine, *_ = deepspeed.initialize(model=net, config={"train_batch_size": 1, "optimizer": adam,
+                                                             "zero_optimization": {"stage": 3}})
+        torch.nn.functional.embedding(torch.tensor([1, 2]), engine.module[0].weight)
+
+    return {"native_zero3": _error(native_zero3), "native_plain_groups": _error(native_plain_groups),
+            "autoep_preset_wrapped": _error(lambda: autoep({})),
+            "autoep_pattern_wrapped": _error(lambda: autoep({"moe_layer_pattern": r"model\.model\.layers\.\d+\.mlp"})),
+            "outside_forward": _error(outside_forward)}
+
+
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     out_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
@@ -112,6 +176,7 @@ def main() -> None:
                   "16/2/1/8": batch_error({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
                                            "gradient_accumulation_steps": 1})},
         "device_move": device_move(),
+        "raised": raised(),
     }))
 
 
