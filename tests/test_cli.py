@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pty
@@ -170,3 +171,37 @@ def test_doctor_subcommand_is_delegated(env):
     import troubleshooter.doctor as doctor
 
     assert callable(doctor.add_arguments) and callable(doctor.main)
+
+
+def test_one_colour_policy_for_every_renderer(monkeypatch):
+    """doctor's report and lint/explain's console ask the same function (troubleshooter.render)."""
+    import io
+
+    from troubleshooter import render
+    from troubleshooter.doctor import report
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    seen = []
+    for no_color in ("", "1"):
+        monkeypatch.setenv("NO_COLOR", no_color)
+        for stream in (Terminal(), io.StringIO()):
+            seen.append((render.use_color(stream), report.use_color(stream)))
+    assert seen == [(True, True), (False, False), (False, False), (False, False)]
+
+
+def test_doctor_and_cli_do_not_import_each_other():
+    """The argparse types live in troubleshooter.argtypes: importing the doctor loads no cli."""
+    code = ("import sys, troubleshooter.doctor as d, argparse; p = argparse.ArgumentParser(); d.add_arguments(p); "
+            "print('troubleshooter.cli' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+    from troubleshooter import argtypes, cli
+
+    assert cli.positive_int is argtypes.positive_int
+    with pytest.raises(argparse.ArgumentTypeError, match="must be >= 1"):
+        argtypes.positive_int("0")
+    with pytest.raises(argparse.ArgumentTypeError, match="finite number greater than 0"):
+        argtypes.positive_float("inf")
