@@ -10,7 +10,6 @@ lint passes (a missing placeholder raises KeyError).
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 
 import pytest
 

@@ -11,19 +11,16 @@ subprocess (tests/jobs/claims_job.py).
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 import traceback
 from pathlib import Path
 
+import deepspeed
 import pytest
+from deepspeed.runtime.config import DeepSpeedConfig
 
 from claims_util import claims
 from troubleshooter import knowledge, lint
-
-deepspeed = pytest.importorskip("deepspeed")  # a test dependency; present in CI
-from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
 
 FAMILIES = {"config", "autoep", "native-moe-zero3", "zero3-pitfalls", "router-collapse"}
 
