@@ -42,8 +42,8 @@ PEER_ENTRY = "peer-rank-died"
 _RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
 #: cuda-oom's fixes in the order the OOM numbers call for (ids of the entry's [[fixes]]).
 OOM_FRAGMENTED = ("expandable-segments", "lower-micro-batch", "activation-checkpointing",
-                  "zero3-live-params", "offload-last")
-OOM_SHORT = ("lower-micro-batch", "activation-checkpointing", "zero3-live-params", "offload-last")
+                  "raise-zero-stage", "offload-last")
+OOM_SHORT = ("lower-micro-batch", "activation-checkpointing", "raise-zero-stage", "offload-last")
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,10 @@ def _link_echoes(found: list[Diagnosis]) -> list[Diagnosis]:
     for d in found:
         if d is root:
             who = f"rank {rank}'s" if rank is not None else "the first failing rank's"
-            d = replace(d, finding=" ".join(filter(None, (
-                d.finding, f"This is {who} own error; the failures after it ({echo_lines}) only "
-                           "followed from it."))))
+            link = (f"This is {who} own error; the failures after it ({echo_lines}) only "
+                    "followed from it." if root.offset < first_echo else
+                    f"The other failures in this log ({echo_lines}) only followed from this one.")
+            d = replace(d, finding=" ".join(filter(None, (d.finding, link))))
         elif d in echoes:
             d = replace(d, finding=(f"This followed from the error at line {root.line_no} "
                                     f"({root.entry_id}): fix that one first."))

@@ -104,8 +104,8 @@ class OomNumbers:
             verdict = ("the cache held enough memory for the request but not in one block: "
                        "this is fragmentation")
         elif spare is not None and self.requested is not None:
-            verdict = ("the unallocated cache is smaller than the request, so this is not "
-                       "fragmentation: the job needs less memory")
+            verdict = ("the unallocated cache is smaller than the request, so the cache could "
+                       "not have served it: the job needs less memory")
         else:
             verdict = "the message does not say how much PyTorch reserved, so fragmentation cannot be told"
         return f"{text}; {verdict}."
