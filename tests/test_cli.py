@@ -81,12 +81,27 @@ def test_explain_missing_file_exits_2_with_one_line(env, tmp_path):
 
 
 def test_lint_seed_config_json_exits_1(env):
-    proc = run(["lint", str(SEEDS / "seed002_zero3_moe.json"), "--world-size", "8", "--json"], env)
+    """The seed's batch size does not fit 5 ranks: one error, with its position and fix id."""
+    proc = run(["lint", str(SEEDS / "seed002_zero3_moe.json"), "--world-size", "5", "--json"], env)
     assert proc.returncode == 1, proc.stderr
     data = json.loads(proc.stdout)
-    assert data["errors"] == 1
-    rules = {(f["rule"], f["severity"]) for f in data["findings"]}
-    assert ("native-moe-zero3", "error") in rules and ("fp16-moe", "warning") in rules
+    assert data["errors"] == 1 and data["consumer"] == "deepspeed"
+    [error] = [f for f in data["findings"] if f["severity"] == "error"]
+    assert (error["rule"], error["line"], error["col"], error["fix_id"]) == ("batch-arithmetic", 1, 3, "set-all-three")
+    [moe] = [f for f in data["findings"] if f["rule"] == "moe-config-block-ignored"]
+    assert moe["severity"] == "warning" and len(moe["notes"]) == 8
+
+
+def test_lint_for_lightning_refuses_what_deepspeed_accepts(env, tmp_path):
+    """hjson and gradient_accumulation_steps: fine for DeepSpeed (exit 0), errors for Lightning."""
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "train_micro_batch_size_per_gpu": 2,\n  "gradient_accumulation_steps": 2,\n}\n')
+    assert run(["lint", str(path)], env).returncode == 0
+    proc = run(["lint", str(path), "--for", "lightning"], env)
+    assert proc.returncode == 1
+    assert f"{path}:4:1: - [config-file-format]" in proc.stdout
+    assert f"{path}:3:3: gradient_accumulation_steps [lightning-gradient-accumulation]" in proc.stdout
+    assert "fix [use-accumulate-grad-batches]: Delete gradient_accumulation_steps" in proc.stdout
 
 
 def test_lint_clean_config_exits_0(env):
@@ -97,10 +112,11 @@ def test_lint_clean_config_exits_0(env):
 
 def test_lint_malformed_json_exits_2_with_position(env, tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"zero_optimization": {"stage": 3,}\n}')
+    bad.write_text('{"zero_optimization": {"stage": 3,]\n}')
     proc = run(["lint", str(bad)], env)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {bad}:1:35: invalid JSON: Expecting property name enclosed in double quotes"
+    assert proc.stderr.strip() == (f"error: {bad}:1:35: invalid JSON (and not hjson either, which "
+                                   "DeepSpeed also reads): Expecting property name enclosed in double quotes")
 
 
 def test_lint_json_error_is_machine_readable(env, tmp_path):
@@ -139,9 +155,10 @@ def _run_in_terminal(args, env, timeout=60.0) -> str:
 
 def test_terminal_output_has_colours_icons_and_a_table(env):
     tty_env = {k: v for k, v in env.items() if k != "NO_COLOR"}
-    out = _run_in_terminal(["lint", str(SEEDS / "seed000_zero3_moe_offload.json")], tty_env)
+    args = ["lint", str(SEEDS / "seed002_zero3_moe.json"), "--world-size", "5"]  # one error
+    out = _run_in_terminal(args, tty_env)
     assert "\x1b[" in out and "✖" in out and "┃" in out  # colour, icon, table border
-    plain = _run_in_terminal(["lint", str(SEEDS / "seed000_zero3_moe_offload.json")], env)
+    plain = _run_in_terminal(args, env)
     assert "\x1b[3" not in plain and "[ERROR]" in plain  # NO_COLOR in a terminal: plain
 
 

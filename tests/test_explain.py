@@ -70,6 +70,9 @@ EXPECTED = {
     "real_peer_killed.txt": "peer-rank-died",
     "real_peer_own_error.txt": "cpu-oom",
     "real_peer_torchrun_killed.txt": "cpu-oom",
+    "real_config_passed_twice.txt": "config-passed-twice",
+    "real_load_checkpoint_no_optimizer.txt": "load-checkpoint-no-optimizer",
+    "real_zero_to_fp32_leftover.txt": "zero-to-fp32-mismatch",
 }
 
 

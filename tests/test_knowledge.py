@@ -45,6 +45,16 @@ INLINE_SAMPLES = {
                          "fatal error: Python.h: No such file or directory"],
     # DeepSpeed prints the user config at start-up; a seed-style block in it.
     "moe-config-block-ignored": ['json = {"moe": {"enable": true, "ep_size": 2}}'],
+    # CPython's wording for DeepSpeedConfig(**section) with a non-object section (triggered for
+    # real in tests/test_knowledge_claims.py::test_wrong_types_fail_inside_deepspeed).
+    "config-value-type": ["TypeError: deepspeed.runtime.precision_config.DeepSpeedFP16Config() argument "
+                          "after ** must be a mapping, not bool"],
+    # The tail of the traceback of train_batch_size "auto" under deepspeed 0.19.8 (triggered for
+    # real in tests/test_knowledge_claims.py::test_auto_values_under_raw_deepspeed_match_lints_classification).
+    "hf-auto-value": ['  File "/x/site-packages/deepspeed/runtime/config.py", line 640, in _set_batch_related_parameters\n'
+                      "    self.train_micro_batch_size_per_gpu = train_batch // self.world_size\n"
+                      "                                          ~~~~~~~~~~~~^^~~~~~~~~~~~~~~~~\n"
+                      "TypeError: unsupported operand type(s) for //: 'str' and 'int'"],
     # torch's DataLoader worker bus-error message (a string in libtorch_python).
     "shm-too-small": ["ERROR: Unexpected bus error encountered in worker. This might be caused by "
                       "insufficient shared memory (shm)."],
@@ -72,6 +82,8 @@ def _from_sources() -> dict[str, list[str]]:
         "gather-16bit-on-save": [_source_message("deepspeed/runtime/engine.py", "Did not save the model")],
         "zero3-inflight-params": [_source_message("deepspeed/runtime/zero/partitioned_param_coordinator.py",
                                                   "Invalidate trace cache @ step {self.__step_id}: ")],
+        "lightning-gradient-accumulation": [_source_message("lightning/pytorch/strategies/deepspeed.py",
+                                                            "Do not set `gradient_accumulation_steps`")],
         "cuda-home-missing": [_source_message("deepspeed/ops/op_builder/builder.py", "Unable to run {nvcc}",
                                               nvcc="/usr/local/cuda/bin/nvcc")],
     }

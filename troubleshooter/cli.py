@@ -23,6 +23,7 @@ from typing import Sequence
 from rich.console import Console
 
 from troubleshooter import __version__, explain, lint, render
+from troubleshooter.argtypes import positive_int
 
 __all__ = ["build_parser", "main"]
 
@@ -42,30 +43,25 @@ def _add_lint(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="path to the DeepSpeed JSON config")
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="number of ranks, to check batch arithmetic and ep_size divisibility")
+    p.add_argument("--for", dest="consumer", choices=lint.CONSUMERS, default="deepspeed",
+                   help="who reads the config: deepspeed (deepspeed.initialize; accepts hjson), "
+                        "lightning (DeepSpeedStrategy(config=...); json, no "
+                        "gradient_accumulation_steps) or hf (the Hugging Face Trainer; json, "
+                        "resolves \"auto\"). Default: deepspeed")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_run_lint)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (0 or a word is an argument error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _run_lint(args: argparse.Namespace) -> int:
     try:
-        findings = lint.lint_path(args.config, world_size=args.world_size)
+        findings = lint.lint_path(args.config, world_size=args.world_size, consumer=args.consumer)
     except lint.LintInputError as err:
         return _input_error(str(err), args.json)
     errors = sum(f.severity == "error" for f in findings)
     if args.json:
         render.print_json({"source": args.config, "world_size": args.world_size,
-                           "errors": errors, "findings": [f.to_dict() for f in findings]})
+                           "consumer": args.consumer, "errors": errors,
+                           "findings": [f.to_dict() for f in findings]})
     else:
         _print_findings(render.console(), args.config, findings)
     return EXIT_FOUND if errors else EXIT_OK
@@ -78,21 +74,30 @@ def _print_findings(con: Console, source: str, findings: list[lint.Finding]) -> 
         return
     if render.is_plain(con):
         for f in findings:
-            con.print(render.label(f.severity, con), f"{f.path or '-'} [{f.rule}]: {f.message}",
-                      markup=False)
-            con.print(f"    fix: {f.fix}", markup=False)
+            con.print(render.label(f.severity, con), f"{_where(source, f)}: {f.path or '-'} "
+                      f"[{f.rule}]: {f.message}", markup=False)
+            for note in f.notes:
+                con.print(f"    - {note}", markup=False)
+            con.print(f"    fix [{f.fix_id}]: {f.fix}", markup=False)
     else:
         from rich.table import Table
 
         table = Table(title=f"lint {source}", show_lines=True)
-        for column, ratio in (("severity", 1), ("path", 2), ("problem", 5), ("fix", 3), ("rule", 2)):
+        for column, ratio in (("severity", 1), ("where", 2), ("problem", 5), ("fix", 3), ("rule", 2)):
             table.add_column(column, overflow="fold", ratio=ratio)
         for f in findings:
-            table.add_row(render.label(f.severity, con), f.path or "-", f.message, f.fix, f.rule)
+            problem = "\n".join((f.message, *(f"- {n}" for n in f.notes)))
+            table.add_row(render.label(f.severity, con), f"{_where(source, f)}\n{f.path or '-'}",
+                          problem, f.fix, f"{f.rule}\n({f.fix_id})")
         con.print(table)
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     con.print(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())
               + ". Each rule is a knowledge-base entry (troubleshooter/knowledge/entries/RULE.toml).")
+
+
+def _where(source: str, f: lint.Finding) -> str:
+    """``file:line:col`` of a finding (``file`` alone when the position is unknown)."""
+    return f"{source}:{f.line}:{f.col}" if f.line is not None else source
 
 
 # ----------------------------------------------------------------------------------------------

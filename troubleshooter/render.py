@@ -4,7 +4,8 @@ Why shared: doctor, lint and explain print side by side in the same terminal (an
 helper imports this module), so colours, icons and the plain-output rule live here. Output is
 plain (no colours, ASCII icons, no hard wrapping) when stdout is not a terminal or NO_COLOR is
 set, so logs, pipes and tests get stable text. The API is deliberately small and stable:
-``console()``, ``is_plain()``, ``status_style()``, ``label()`` and ``print_json()``.
+``use_color()``, ``console()``, ``is_plain()``, ``status_style()``, ``label()`` and
+``print_json()``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-__all__ = ["console", "is_plain", "label", "print_json", "status_style"]
+__all__ = ["console", "is_plain", "label", "print_json", "status_style", "use_color"]
 
 # status or severity -> (terminal icon, plain icon, rich style)
 _STYLES = {
@@ -31,8 +32,14 @@ _STYLES = {
 }
 
 
+def use_color(stream) -> bool:
+    """The one colour policy: colour only for a terminal, never when NO_COLOR is set to anything
+    non-empty (no-color.org). Every renderer (doctor, lint, explain, Jupyter) asks this."""
+    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+
+
 def _plain_wanted(stream) -> bool:
-    return bool(os.environ.get("NO_COLOR")) or not getattr(stream, "isatty", lambda: False)()
+    return not use_color(stream)
 
 
 def console(*, stderr: bool = False) -> Console:

@@ -6,6 +6,7 @@ DeepSpeed really raises, and the OOM patch must lower real defaults. Cases:
 * ``config_twice``: deepspeed.initialize(args with deepspeed_config, config=...);
 * ``no_optimizer``: a ZeRO-3 checkpoint loaded by an engine built without an optimizer, then
   with load_module_only=True, then the consolidation route the entry recommends;
+* ``zero_to_fp32_leftover``: zero_to_fp32 on a tag directory with another rank's leftover file;
 * ``divisibility``: deepspeed.utils.groups._ensure_divisibility(10, 3);
 * ``zero_defaults``: DeepSpeedZeroConfig defaults of the keys the cuda-oom patch sets.
 """
@@ -76,6 +77,14 @@ def main() -> None:
     missing = fresh.load_state_dict(state, strict=True)
     emit("consolidate", loaded=not missing.missing_keys and not missing.unexpected_keys,
          keys=sorted(state))
+
+    # A leftover optimizer-state file of another rank in the tag directory (an older, larger run).
+    import glob
+    import shutil
+
+    optim = glob.glob(os.path.join(tmp, "t", "*_optim_states.pt"))[0]
+    shutil.copy(optim, optim.replace("zero_pp_rank_0_", "zero_pp_rank_1_"))
+    caught("zero_to_fp32_leftover", lambda: get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t"))
 
     from deepspeed.utils.groups import _ensure_divisibility
 

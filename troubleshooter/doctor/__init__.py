@@ -47,7 +47,7 @@ def _families(text: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's options, for the CLI's ``doctor`` sub-command."""
-    from troubleshooter.cli import positive_int  # the CLI owns its argument types
+    from troubleshooter.argtypes import positive_int
 
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     parser.add_argument("--config", metavar="PATH", help="also lint this DeepSpeed config")

@@ -7,7 +7,6 @@ is honoured, see no-color.org); tools and the Jupyter extension read ``--json``.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from typing import Any, TextIO
 
@@ -29,8 +28,10 @@ def to_json(results: list[CheckResult]) -> str:
 
 
 def use_color(stream: TextIO) -> bool:
-    """Colour only for a terminal, and never when NO_COLOR is set to anything non-empty."""
-    return bool(getattr(stream, "isatty", lambda: False)()) and not os.environ.get("NO_COLOR")
+    """Whether to colour: the shared policy of :func:`troubleshooter.render.use_color`."""
+    from troubleshooter.render import use_color as policy  # imported on use, like rich below
+
+    return policy(stream)
 
 
 def render(results: list[CheckResult], stream: TextIO) -> None:

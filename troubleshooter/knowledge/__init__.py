@@ -28,6 +28,16 @@ Entry schema (every key is required unless marked optional)::
     text = "Lower ... to {micro}."    # the entry; code cites fixes by id, never by position.
                                       # ``text`` may hold {placeholders} the caller fills in.
 
+    [[messages]]                      # optional, after the fixes: what a tool reports when it
+    id = "mismatch"                   # finds this problem (lint, doctor), as a template filled
+    text = "{tbs} != {micro} * ..."   # with what was found: cite with knowledge.message(entry, id).
+
+Citation API (the only way code outside this package may hold advice): ``fix(entry_id, fix_id)``
+and ``message(entry_id, message_id)`` return a :class:`Fix` / :class:`Message` whose ``render(**values)``
+fills the placeholders; both know their ``entry``. ``tests/test_knowledge_citations.py`` finds
+every such call statically and fails on an unknown entry or id, and on advice prose outside
+this package.
+
 ``load_entries()`` raises :class:`KnowledgeError` naming the file and the field for any
 violation, so a broken entry fails the test suite instead of a user's session.
 """
@@ -37,6 +47,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import string
 import tomllib
 
 try:  # the regex parser; used only to find each pattern's required literal text
@@ -56,10 +67,12 @@ __all__ = [
     "Fix",
     "KnowledgeError",
     "Match",
+    "Message",
     "fix",
     "get",
     "load_entries",
     "match",
+    "message",
 ]
 
 ENTRIES_DIR = Path(__file__).with_name("entries")
@@ -92,10 +105,21 @@ class Fix:
 
     id: str
     text: str
+    entry: str = ""  # the id of the entry it belongs to
 
     def render(self, **values: object) -> str:
         """The text with its ``{placeholders}`` filled in; a missing value raises KeyError."""
         return self.text.format(**values) if values else self.text
+
+    def placeholders(self) -> frozenset[str]:
+        """The names of the ``{placeholders}`` in the text."""
+        return frozenset(name.split(".")[0].split("[")[0]
+                         for _lit, name, _spec, _conv in string.Formatter().parse(self.text) if name)
+
+
+@dataclass(frozen=True)
+class Message(Fix):
+    """A finding's message template of an entry, cited by ``(entry id, message id)``."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +136,7 @@ class Entry:
     cause: str
     fixes: tuple[Fix, ...]
     sources: tuple[str, ...]
+    messages: tuple[Message, ...] = ()
     patch: str | None = None
     patch_kind: str | None = None
     compiled: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
@@ -130,6 +155,14 @@ class Entry:
             if f.id == fix_id:
                 return f
         raise KeyError(f"entry {self.id!r} has no fix {fix_id!r}; its fixes: {', '.join(f.id for f in self.fixes)}")
+
+    def get_message(self, message_id: str) -> Message:
+        """The message template with this id; a KeyError naming the entry's message ids."""
+        for m in self.messages:
+            if m.id == message_id:
+                return m
+        raise KeyError(f"entry {self.id!r} has no message {message_id!r}; its messages: "
+                       f"{', '.join(m.id for m in self.messages) or '(none)'}")
 
     def patch_json(self) -> dict | None:
         """The patch parsed as a JSON object, when it is a JSON patch."""
@@ -169,7 +202,7 @@ def _check_strings(path: Path, data: dict) -> None:
 
 
 def _check_values(path: Path, data: dict) -> None:
-    unknown = set(data) - set(_STR_FIELDS) - set(_LIST_FIELDS) - set(_OPTIONAL) - {"fixes"}
+    unknown = set(data) - set(_STR_FIELDS) - set(_LIST_FIELDS) - set(_OPTIONAL) - {"fixes", "messages"}
     if unknown:
         raise _fail(path, sorted(unknown)[0], "unknown field")
     if data["id"] != path.stem or not _ID_RE.match(data["id"]):
@@ -180,23 +213,31 @@ def _check_values(path: Path, data: dict) -> None:
         raise _fail(path, "severity", f"{data['severity']!r} is not one of {list(SEVERITIES)}")
 
 
-def _parse_fixes(path: Path, data: dict) -> tuple[Fix, ...]:
-    raw = data.get("fixes")
+def _parse_templates(path: Path, data: dict, key: str, cls: type[Fix]) -> tuple:
+    """The ``[[fixes]]`` (required) or ``[[messages]]`` (optional) tables of an entry."""
+    raw = data.get(key)
+    if raw is None and key == "messages":
+        return ()
     if not isinstance(raw, list) or not raw:
-        raise _fail(path, "fixes", "missing: add at least one [[fixes]] table with 'id' and 'text'")
-    fixes: list[Fix] = []
+        raise _fail(path, key, f"missing: add at least one [[{key}]] table with 'id' and 'text'")
+    items: list[Fix] = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or set(item) != {"id", "text"}:
-            raise _fail(path, "fixes", f"table {i + 1} must have exactly the keys 'id' and 'text'")
-        fix_id, text = item["id"], item["text"]
-        if not isinstance(fix_id, str) or not _ID_RE.match(fix_id):
-            raise _fail(path, "fixes", f"table {i + 1}: id {fix_id!r} must be a lower-case slug ('-' separated)")
+            raise _fail(path, key, f"table {i + 1} must have exactly the keys 'id' and 'text'")
+        item_id, text = item["id"], item["text"]
+        if not isinstance(item_id, str) or not _ID_RE.match(item_id):
+            raise _fail(path, key, f"table {i + 1}: id {item_id!r} must be a lower-case slug ('-' separated)")
         if not isinstance(text, str) or not text.strip():
-            raise _fail(path, "fixes", f"table {i + 1} ({fix_id}): text missing or empty")
-        if any(f.id == fix_id for f in fixes):
-            raise _fail(path, "fixes", f"id {fix_id!r} is used twice")
-        fixes.append(Fix(fix_id, text.strip()))
-    return tuple(fixes)
+            raise _fail(path, key, f"table {i + 1} ({item_id}): text missing or empty")
+        if any(f.id == item_id for f in items):
+            raise _fail(path, key, f"id {item_id!r} is used twice")
+        template = cls(item_id, text.strip(), data["id"])
+        try:
+            template.placeholders()
+        except ValueError as err:
+            raise _fail(path, key, f"table {i + 1} ({item_id}): bad placeholder: {err}") from None
+        items.append(template)
+    return tuple(items)
 
 
 def _check_patch(path: Path, data: dict) -> None:
@@ -251,12 +292,13 @@ def load_entry(path: Path) -> Entry:
     _check_strings(path, data)
     _check_values(path, data)
     _check_patch(path, data)
-    fixes = _parse_fixes(path, data)
+    fixes = _parse_templates(path, data, "fixes", Fix)
+    messages = _parse_templates(path, data, "messages", Message)
     return Entry(
         id=data["id"], title=data["title"], family=data["family"], severity=data["severity"],
         checked_against=data["checked_against"], symptoms=tuple(data["symptoms"]),
         patterns=tuple(data["patterns"]), cause=data["cause"].strip(), fixes=fixes,
-        sources=tuple(data["sources"]), patch=data.get("patch"), patch_kind=data.get("patch_kind"),
+        sources=tuple(data["sources"]), messages=messages, patch=data.get("patch"), patch_kind=data.get("patch_kind"),
         compiled=_compile(path, data["patterns"]),
         anchors=tuple(anchor_of(p) for p in data["patterns"]),
     )
@@ -287,6 +329,11 @@ def get(entry_id: str) -> Entry:
 def fix(entry_id: str, fix_id: str) -> Fix:
     """The fix ``fix_id`` of entry ``entry_id``: how code cites advice (never by list position)."""
     return get(entry_id).get_fix(fix_id)
+
+
+def message(entry_id: str, message_id: str) -> Message:
+    """The message template ``message_id`` of entry ``entry_id`` (what a tool reports)."""
+    return get(entry_id).get_message(message_id)
 
 
 def _line_at(text: str, offset: int) -> tuple[int, str]:
