@@ -73,6 +73,7 @@ EXPECTED = {
     "real_config_passed_twice.txt": "config-passed-twice",
     "real_load_checkpoint_no_optimizer.txt": "load-checkpoint-no-optimizer",
     "real_zero_to_fp32_leftover.txt": "zero-to-fp32-mismatch",
+    "real_nccl_missing.txt": "nccl-unavailable",
 }
 
 

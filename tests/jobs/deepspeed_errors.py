@@ -7,6 +7,7 @@ DeepSpeed really raises, and the OOM patch must lower real defaults. Cases:
 * ``no_optimizer``: a ZeRO-3 checkpoint loaded by an engine built without an optimizer, then
   with load_module_only=True, then the consolidation route the entry recommends;
 * ``zero_to_fp32_leftover``: zero_to_fp32 on a tag directory with another rank's leftover file;
+* ``nccl_missing``: init_process_group("nccl") on a torch without NCCL (CPU builds only);
 * ``divisibility``: deepspeed.utils.groups._ensure_divisibility(10, 3);
 * ``zero_defaults``: DeepSpeedZeroConfig defaults of the keys the cuda-oom patch sets.
 """
@@ -50,6 +51,9 @@ ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
 
 
 def main() -> None:
+    if not torch.distributed.is_nccl_available():  # a CPU build of torch: the real refusal
+        caught("nccl_missing", lambda: torch.distributed.init_process_group(
+            "nccl", init_method="tcp://127.0.0.1:1", rank=0, world_size=1))
     deepspeed.init_distributed(dist_backend="gloo")
     tmp = tempfile.mkdtemp(prefix="ds-errors-")
     config_file = os.path.join(tmp, "ds.json")

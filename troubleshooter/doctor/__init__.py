@@ -16,7 +16,8 @@ import os
 import sys
 from importlib import import_module
 
-from troubleshooter.doctor.base import FAMILIES, CheckResult, DoctorOptions, error_result, exit_code
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import FAMILIES, CheckResult, DoctorOptions, cite, exit_code
 from troubleshooter.doctor.probes import FAMILY_STAGES, ProbeSet
 
 __all__ = ["CheckResult", "DoctorOptions", "FAMILIES", "add_arguments", "exit_code", "main",
@@ -89,9 +90,9 @@ def _run_family(family: str, opts: DoctorOptions, probes: ProbeSet) -> list[Chec
     try:
         return list(import_module(f"troubleshooter.doctor.{family}").check(opts, probes))
     except Exception as err:  # noqa: BLE001 - the doctor must report, not die
-        return [error_result(f"{family}.internal", f"{family} checks",
-                             f"the check itself failed: {type(err).__name__}: {err}",
-                             fix="Please report this with the output of --json.")]
+        return [CheckResult(f"{family}.internal", f"{family} checks", "error",
+                            f"the check itself failed: {type(err).__name__}: {err}",
+                            entry="doctor-run", **cite(knowledge.fix("doctor-run", "report-bug")))]
 
 
 def run_checks(options: DoctorOptions | argparse.Namespace) -> list[CheckResult]:
