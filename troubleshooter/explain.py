@@ -84,11 +84,26 @@ class Diagnosis:
         }
 
 
+class _Unfilled(dict):
+    """Placeholders the log does not fill show as <name>."""
+
+    def __missing__(self, key: str) -> str:
+        return f"<{key}>"
+
+
+def _filled(text: str, details: dict[str, str]) -> str:
+    """A fix text with the {placeholders} this log's details fill (the others as <name>)."""
+    try:
+        return text.format_map(_Unfilled(details))
+    except (ValueError, IndexError, AttributeError, KeyError):  # a format spec on a missing value
+        return text
+
+
 def _diagnosis(m: knowledge.Match, data: Input) -> Diagnosis:
     e = m.entry
     return Diagnosis(
         entry_id=e.id, title=e.title, severity=e.severity, family=e.family, cause=e.cause,
-        fix=e.fix, fix_ids=tuple(f.id for f in e.fixes), patch=e.patch, patch_kind=e.patch_kind,
+        fix=tuple(_filled(f.text, m.details) for f in e.fixes), fix_ids=tuple(f.id for f in e.fixes), patch=e.patch, patch_kind=e.patch_kind,
         sources=e.sources, checked_against=e.checked_against, line_no=data.input_line(m.line_no),
         snippet=m.snippet, count=m.count, details=m.details, offset=m.offset,
     )
@@ -96,7 +111,7 @@ def _diagnosis(m: knowledge.Match, data: Input) -> Diagnosis:
 
 def _with_fixes(d: Diagnosis, fix_ids: tuple[str, ...]) -> Diagnosis:
     entry = knowledge.get(d.entry_id)
-    return replace(d, fix_ids=fix_ids, fix=tuple(entry.get_fix(i).text for i in fix_ids))
+    return replace(d, fix_ids=fix_ids, fix=tuple(_filled(entry.get_fix(i).text, d.details) for i in fix_ids))
 
 
 def _refine_oom(d: Diagnosis, text: str) -> Diagnosis:

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from troubleshooter.argtypes import positive_int
 
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--report", action="store_true",
+                        help="print one Markdown block for a bug report: system, GPUs, CUDA, "
+                             "packages, environment (secrets masked) and every check's verdict")
     parser.add_argument("--config", metavar="PATH", help="also lint this DeepSpeed config")
     parser.add_argument("--ep-size", type=positive_int, metavar="N", help="planned expert-parallel size")
     parser.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per MoE layer")
@@ -110,8 +113,14 @@ def main(args: argparse.Namespace) -> int:
     """Run the doctor for the CLI and print the table (or JSON); return the exit status."""
     from troubleshooter.doctor import report
 
-    results = run_checks(args)
-    if getattr(args, "json", False):
+    opts = to_options(args)
+    results = run_checks(opts)
+    if getattr(args, "report", False):
+        from troubleshooter import __version__
+        from troubleshooter.doctor import bugreport
+
+        sys.stdout.write(bugreport.render(results, opts, __version__))
+    elif getattr(args, "json", False):
         sys.stdout.write(report.to_json(results) + "\n")
     else:
         report.render(results, sys.stdout)
