@@ -23,6 +23,8 @@ TRACEBACKS = FIXTURES / "tracebacks"
 sys.path.insert(0, str(FIXTURES))
 import make_tracebacks  # noqa: E402  (the generator's case code, reused for the live test)
 
+import deepspeed_job  # noqa: E402  (tests/ is on sys.path: one deepspeed job per session)
+
 #: fixture file -> the entry that must be the top diagnosis.
 EXPECTED = {
     "real_native_moe_zero3.txt": "native-moe-zero3",
@@ -325,12 +327,8 @@ def test_torchrun_report_names_the_rank_that_failed_first():
 
 @pytest.fixture(scope="module")
 def deepspeed_errors() -> dict[str, dict]:
-    """tests/jobs/deepspeed_errors.py: real DeepSpeed errors on CPU, one process (about 20 s)."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "jobs" / "deepspeed_errors.py")],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    records = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith('{"case"')]
-    assert records, proc.stderr[-3000:]
-    return {r["case"]: r for r in records}
+    """tests/jobs/deepspeed_errors.py: real DeepSpeed errors on CPU, one process per session."""
+    return deepspeed_job.records()
 
 
 @pytest.mark.parametrize("case, entry", [

@@ -9,6 +9,7 @@ DeepSpeed really raises, and the OOM patch must lower real defaults. Cases:
 * ``zero_to_fp32_leftover``: zero_to_fp32 on a tag directory with another rank's leftover file;
 * ``nccl_missing``: init_process_group("nccl") on a torch without NCCL (CPU builds only);
 * ``divisibility``: deepspeed.utils.groups._ensure_divisibility(10, 3);
+* ``offload_estimates``: DeepSpeed's host-RAM estimator for offloaded ZeRO-3 states;
 * ``zero_defaults``: DeepSpeedZeroConfig defaults of the keys the cuda-oom patch sets.
 """
 
@@ -93,6 +94,16 @@ def main() -> None:
     from deepspeed.utils.groups import _ensure_divisibility
 
     caught("divisibility", lambda: _ensure_divisibility(10, 3))
+
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    estimates = {}
+    for params, nodes, offload_params in ((10**9, 1, True), (10**9, 1, False), (7 * 10**9, 2, True),
+                                          (3 * 10**8, 4, False)):
+        estimates[f"{params}-{nodes}-{offload_params}"] = estimate_zero3_model_states_mem_needs(
+            params, 1, num_gpus_per_node=8, num_nodes=nodes, cpu_offload=True,
+            cpu_offload_params=offload_params)[0]
+    emit("offload_estimates", cpu_bytes=estimates)
 
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
