@@ -99,11 +99,18 @@ def _filled(text: str, details: dict[str, str]) -> str:
         return text
 
 
+def _fillable(entry: knowledge.Entry, details: dict[str, str]) -> tuple[knowledge.Fix, ...]:
+    """The fixes this log can fill: a template for another tool (the doctor's {paths}, {limit})
+    needs values a log does not carry, so it is left out."""
+    return tuple(f for f in entry.fixes if f.placeholders() <= details.keys())
+
+
 def _diagnosis(m: knowledge.Match, data: Input) -> Diagnosis:
     e = m.entry
     return Diagnosis(
         entry_id=e.id, title=e.title, severity=e.severity, family=e.family, cause=e.cause,
-        fix=tuple(_filled(f.text, m.details) for f in e.fixes), fix_ids=tuple(f.id for f in e.fixes), patch=e.patch, patch_kind=e.patch_kind,
+        fix=tuple(_filled(f.text, m.details) for f in _fillable(e, m.details)),
+        fix_ids=tuple(f.id for f in _fillable(e, m.details)), patch=e.patch, patch_kind=e.patch_kind,
         sources=e.sources, checked_against=e.checked_against, line_no=data.input_line(m.line_no),
         snippet=m.snippet, count=m.count, details=m.details, offset=m.offset,
     )

@@ -192,7 +192,7 @@ def match_result(toolkit: dict[str, Any], stage: dict[str, Any], env: Mapping[st
     status, reason = compare(torch_cuda, release, tolerance, env.get("DS_SKIP_CUDA_CHECK", "0") == "1")
     advice = {} if status == "ok" else cite(
         knowledge.fix("cuda-version-mismatch", "match-toolkit"),
-        torch_cuda=".".join(torch_cuda.split(".")[:2]), system_cuda=f"{release[0]}.{release[1]}")
+        torch=".".join(torch_cuda.split(".")[:2]), system=f"{release[0]}.{release[1]}")
     return CheckResult("cuda.match", title, status,
                        f"torch CUDA {torch_cuda}, nvcc {release[0]}.{release[1]}: {reason}",
                        why=knowledge.message("cuda-version-mismatch", "ops-use-nvcc").render(
