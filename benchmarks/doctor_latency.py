@@ -103,7 +103,18 @@ def run(repeats: int, log_size: int) -> dict[str, list[Sample]]:
                 samples[name].append(time_once(cmds[name]))
                 print(f"  round {round_no + 1}/{repeats} {name:<20} {samples[name][-1][0]:6.2f} s wall",
                       file=sys.stderr)
+            samples.setdefault("explain in-process", []).append(explain_in_process(log))
     return samples
+
+
+def explain_in_process(log: Path) -> Sample:
+    """explain's own work on the log (read, clean, match), without interpreter start-up."""
+    from troubleshooter import explain
+
+    explain.explain_text("warm-up")  # the knowledge base is loaded once per process, as in the CLI
+    cpu, start = time.process_time(), time.perf_counter()
+    found = explain.explain_input(explain.read_input(log))
+    return time.perf_counter() - start, time.process_time() - cpu, 0 if found else 1
 
 
 def table(samples: dict[str, list[Sample]]) -> str:
