@@ -110,7 +110,8 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                        description="Match a traceback or training log against the knowledge base "
                                    "and print the diagnosis and the fix.")
     p.add_argument("source", nargs="?", default="-",
-                   help="log or traceback file; '-' (default) reads standard input")
+                   help="a log or traceback file, the error message itself (quoted), or '-' "
+                        "(default) to read standard input")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=_run_explain)
 
@@ -120,14 +121,17 @@ def _run_explain(args: argparse.Namespace) -> int:
         return _input_error("explain: give a file, or pipe a log into standard input "
                             "(python train.py 2>&1 | python -m troubleshooter explain -)", args.json)
     try:
-        data = explain.read_input(args.source)
+        data = explain.read_source(args.source)
     except explain.ExplainInputError as err:
         return _input_error(str(err), args.json)
-    diagnoses = explain.explain_text(data.text)
-    name = "<stdin>" if args.source == "-" else args.source
+    diagnoses = explain.explain_input(data)
+    if not diagnoses and data.problem():  # empty or binary: say so, as for an unreadable file
+        return _input_error(data.problem(), args.json)
+    name = data.name
     if args.json:
-        render.print_json({"source": name, "bytes": data.total_bytes, "truncated": data.truncated,
-                           "binary": data.binary, "diagnoses": [d.to_dict() for d in diagnoses]})
+        render.print_json({"source": name, "kind": data.kind, "bytes": data.total_bytes,
+                           "truncated": data.truncated, "binary": data.binary,
+                           "diagnoses": [d.to_dict() for d in diagnoses]})
     else:
         _print_diagnoses(render.console(), name, data, diagnoses)
     return EXIT_OK if diagnoses else EXIT_FOUND
@@ -135,11 +139,10 @@ def _run_explain(args: argparse.Namespace) -> int:
 
 def _print_diagnoses(con: Console, name: str, data: explain.Input,
                      diagnoses: list[explain.Diagnosis]) -> None:
-    if data.truncated:
-        con.print(f"(read the last {explain.MAX_BYTES // 2**20} MiB of {data.total_bytes} bytes)")
+    if data.note():
+        con.print(data.note(), markup=False)
     if not diagnoses:
-        kind = "binary data" if data.binary else f"{data.text.count(chr(10)) + 1} lines"
-        con.print(f"No known problem found in {name} ({kind} read). The knowledge base does not "
+        con.print(f"No known problem found in {name} ({data.describe()} read). The knowledge base does not "
                   f"recognise this error. Check the environment with `{DOCTOR_HINT}`.")
         return
     for i, d in enumerate(diagnoses, 1):
@@ -155,6 +158,8 @@ def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis) -> None:
     if d.details:
         con.print("  found: " + ", ".join(f"{k}={v}" for k, v in d.details.items()), markup=False)
     con.print("  why: " + " ".join(d.cause.split()), markup=False)
+    if d.finding:
+        con.print("  this log: " + d.finding, markup=False)
     for step, text in enumerate(d.fix, 1):
         con.print(f"  {step}) {text}", markup=False)
     if d.patch:

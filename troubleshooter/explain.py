@@ -1,52 +1,58 @@
 """Explain a traceback or log: match it against the knowledge base and say what to do.
 
-Why a bounded, tail-biased read: training logs grow to gigabytes, and the error that stopped the
-run is at the end. We read at most ``MAX_BYTES`` from the end of a file (or keep only the last
-``MAX_BYTES`` of standard input), decode with ``errors="replace"`` and strip terminal escapes, so
-binary, huge or colourised input never crashes the command.
+The input (a file, standard input or the message itself) is read by
+:mod:`troubleshooter.log_input`. Two diagnoses are refined with what the log itself says:
+
+* a CUDA OOM: the sizes in the message (:mod:`troubleshooter.oom_numbers`) decide whether the
+  fragmentation fix comes first or is left out;
+* a rank that failed because another one did (a collective timeout, gloo's "Connection reset by
+  peer", NCCL's "remote process exited", torchrun's ``ChildFailedError``): when the log also holds
+  a rank's own error, that error is the diagnosis and the echo says it only followed; when it
+  does not, the echo says where the first rank's error went.
 
 Exit codes of ``explain`` (see ``troubleshooter.cli``): 0 when at least one diagnosis was printed,
-1 when nothing in the input matched a known problem, 2 when the input could not be read.
+1 when nothing in the input matched a known problem, 2 when the input could not be read (missing,
+empty or binary).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
+from dataclasses import dataclass, field, replace
 
 from troubleshooter import knowledge
+from troubleshooter.log_input import (
+    MAX_BYTES,
+    ExplainInputError,
+    Input,
+    clean,
+    from_text,
+    read_input,
+    read_source,
+)
+from troubleshooter.oom_numbers import format_bytes, parse_oom
 
-__all__ = ["MAX_BYTES", "Diagnosis", "ExplainInputError", "Input", "clean", "explain_text", "read_input"]
+__all__ = ["MAX_BYTES", "Diagnosis", "ExplainInputError", "Input", "clean", "explain_input",
+           "explain_text", "read_input", "read_source"]
 
-#: How much of the input is read: the last 4 MiB (the end of a log is where the error is).
-MAX_BYTES = 4 * 1024 * 1024
-_CHUNK = 1024 * 1024
-
-# CSI sequences (colours, cursor moves), OSC sequences (titles, hyperlinks), and 2-byte escapes.
-_ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
-
-
-class ExplainInputError(OSError):
-    """The input could not be read (missing file, a directory, no permission)."""
-
-
-@dataclass(frozen=True)
-class Input:
-    """What was read: the cleaned text, and whether it was cut to the last ``MAX_BYTES``."""
-
-    text: str
-    total_bytes: int
-    truncated: bool
-    binary: bool  # many NUL bytes: probably not a text log
+#: The entry family whose errors are usually the echo of another rank's failure.
+ECHO_FAMILY = "timeout"
+OOM_ENTRY = "cuda-oom"
+PEER_ENTRY = "peer-rank-died"
+_RANK_PREFIX = re.compile(r"\[rank(\d+)\]:")
+#: cuda-oom's fixes in the order the OOM numbers call for (ids of the entry's [[fixes]]).
+OOM_FRAGMENTED = ("expandable-segments", "lower-micro-batch", "activation-checkpointing",
+                  "raise-zero-stage", "offload-last")
+OOM_SHORT = ("lower-micro-batch", "activation-checkpointing", "raise-zero-stage", "offload-last")
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """One known problem found in the input, with everything needed to act on it."""
+    """One known problem found in the input, with everything needed to act on it.
+
+    ``fix`` holds the fix texts in the order to try them (``fix_ids`` names them); ``finding`` is
+    what this particular log says beyond the entry (the OOM numbers, which rank failed first).
+    """
 
     entry_id: str
     title: str
@@ -62,6 +68,9 @@ class Diagnosis:
     snippet: str
     count: int
     details: dict[str, str]
+    fix_ids: tuple[str, ...] = ()
+    finding: str = ""
+    offset: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (for ``--json`` and the Jupyter extension)."""
@@ -69,67 +78,120 @@ class Diagnosis:
             "id": self.entry_id, "title": self.title, "severity": self.severity,
             "family": self.family, "line": self.line_no, "snippet": self.snippet,
             "count": self.count, "details": self.details, "cause": self.cause,
-            "fix": list(self.fix), "patch": self.patch, "patch_kind": self.patch_kind,
+            "finding": self.finding, "fix": list(self.fix), "fix_ids": list(self.fix_ids),
+            "patch": self.patch, "patch_kind": self.patch_kind,
             "sources": list(self.sources), "checked_against": self.checked_against,
         }
 
 
-def clean(text: str) -> str:
-    """Strip ANSI escapes and NULs, and turn carriage-return progress bars into lines."""
-    text = _ANSI_RE.sub("", text)
-    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+class _Unfilled(dict):
+    """Placeholders the log does not fill show as <name>."""
+
+    def __missing__(self, key: str) -> str:
+        return f"<{key}>"
 
 
-def _tail_of_stream(stream: BinaryIO, limit: int) -> tuple[bytes, int]:
-    """The last ``limit`` bytes of a stream of unknown length, and how many bytes it had."""
-    kept = bytearray()
-    total = 0
-    while chunk := stream.read(_CHUNK):
-        total += len(chunk)
-        kept += chunk
-        if len(kept) > 2 * limit:  # trim now and then, not on every chunk
-            del kept[:-limit]
-    return bytes(kept[-limit:]), total
-
-
-def _tail_of_file(path: Path, limit: int) -> tuple[bytes, int]:
+def _filled(text: str, details: dict[str, str]) -> str:
+    """A fix text with the {placeholders} this log's details fill (the others as <name>)."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            if size > limit:
-                handle.seek(size - limit)
-            data = handle.read(limit)
-    except IsADirectoryError:
-        raise ExplainInputError(f"{path}: is a directory, not a log file") from None
-    except OSError as err:
-        raise ExplainInputError(f"{path}: {err.strerror or err}") from None
-    return data, max(size, len(data))
+        return text.format_map(_Unfilled(details))
+    except (ValueError, IndexError, AttributeError, KeyError):  # a format spec on a missing value
+        return text
 
 
-def read_input(source: str | os.PathLike | None, *, limit: int = MAX_BYTES) -> Input:
-    """Read a log from a path, or from standard input when ``source`` is None or ``"-"``."""
-    if source is None or str(source) == "-":
-        data, total = _tail_of_stream(sys.stdin.buffer, limit)
-    else:
-        data, total = _tail_of_file(Path(source), limit)
-    truncated = total > len(data)
-    if truncated:  # the first line is probably cut in the middle
-        newline = data.find(b"\n")
-        data = data[newline + 1:] if newline != -1 else data
-    binary = data.count(b"\x00") > len(data) // 10 if data else False
-    return Input(clean(data.decode("utf-8", errors="replace")), total, truncated, binary)
+def _fillable(entry: knowledge.Entry, details: dict[str, str]) -> tuple[knowledge.Fix, ...]:
+    """The fixes this log can fill: a template for another tool (the doctor's {paths}, {limit})
+    needs values a log does not carry, so it is left out."""
+    return tuple(f for f in entry.fixes if f.placeholders() <= details.keys())
 
 
-def _diagnosis(m: knowledge.Match) -> Diagnosis:
+def _diagnosis(m: knowledge.Match, data: Input) -> Diagnosis:
     e = m.entry
     return Diagnosis(
         entry_id=e.id, title=e.title, severity=e.severity, family=e.family, cause=e.cause,
-        fix=e.fix, patch=e.patch, patch_kind=e.patch_kind, sources=e.sources,
-        checked_against=e.checked_against, line_no=m.line_no, snippet=m.snippet,
-        count=m.count, details=m.details,
+        fix=tuple(_filled(f.text, m.details) for f in _fillable(e, m.details)),
+        fix_ids=tuple(f.id for f in _fillable(e, m.details)), patch=e.patch, patch_kind=e.patch_kind,
+        sources=e.sources, checked_against=e.checked_against, line_no=data.input_line(m.line_no),
+        snippet=m.snippet, count=m.count, details=m.details, offset=m.offset,
     )
 
 
+def _with_fixes(d: Diagnosis, fix_ids: tuple[str, ...]) -> Diagnosis:
+    entry = knowledge.get(d.entry_id)
+    return replace(d, fix_ids=fix_ids, fix=tuple(_filled(entry.get_fix(i).text, d.details) for i in fix_ids))
+
+
+def _refine_oom(d: Diagnosis, text: str) -> Diagnosis:
+    """Order the OOM fixes by what the message's numbers show; say the numbers."""
+    numbers = parse_oom(text)
+    if numbers is None:
+        return d
+    sizes = {"requested": numbers.requested, "free": numbers.free, "total": numbers.total,
+             "allocated": numbers.allocated,
+             "reserved_unallocated": numbers.reserved_unallocated}
+    details = {**d.details, **{k: format_bytes(v) for k, v in sizes.items() if v is not None}}
+    refined = replace(d, details=details, finding=numbers.summary())
+    if numbers.reserved_unallocated is None:  # the numbers cannot tell: keep "measure" first
+        return refined
+    return _with_fixes(refined, OOM_FRAGMENTED if numbers.fragmentation else OOM_SHORT)
+
+
+def _rank_of(snippet: str) -> str | None:
+    """The rank a log line comes from, when torch prefixed it (``[rank1]: ...``)."""
+    hit = _RANK_PREFIX.match(snippet)
+    return hit.group(1) if hit else None
+
+
+def _orphan_finding(echo: Diagnosis) -> str:
+    """What an echo means when no rank's own error is in the log."""
+    code = echo.details.get("exitcode")
+    if code in ("-9", "137"):
+        return (f"No rank's own error is in this log, and rank {echo.details.get('failed_rank', '?')} "
+                f"exited with code {code} (SIGKILL): it was killed, most often by the out-of-memory "
+                "killer.")
+    return ("No rank's own error is in this log: the rank that failed first left no traceback "
+            "here (killed, or its output went to another file).")
+
+
+def _link_echoes(found: list[Diagnosis]) -> list[Diagnosis]:
+    """Say which failure caused the others: a rank's own error before the ranks that followed it."""
+    echoes = [d for d in found if d.family == ECHO_FAMILY and d.severity == "error"]
+    roots = [d for d in found if d.family != ECHO_FAMILY and d.severity == "error"]
+    if not echoes:
+        return found
+    if not roots:
+        return [replace(d, finding=_orphan_finding(d)) if d.entry_id == PEER_ENTRY else d
+                for d in found]
+    # The first failing rank's error comes before the echoes it caused; take the earliest root
+    # that precedes the first echo, else the top-ranked one.
+    first_echo = min(e.offset for e in echoes)
+    before = [r for r in roots if r.offset < first_echo]
+    root = min(before, key=lambda r: r.offset) if before else roots[0]
+    rank = _rank_of(root.snippet)
+    echo_lines = "; ".join(f"line {e.line_no}: {e.title.lower()}" for e in echoes)
+    out = []
+    for d in found:
+        if d is root:
+            who = f"rank {rank}'s" if rank is not None else "the first failing rank's"
+            link = (f"This is {who} own error; the failures after it ({echo_lines}) only "
+                    "followed from it." if root.offset < first_echo else
+                    f"The other failures in this log ({echo_lines}) only followed from this one.")
+            d = replace(d, finding=" ".join(filter(None, (d.finding, link))))
+        elif d in echoes:
+            d = replace(d, finding=(f"This followed from the error at line {root.line_no} "
+                                    f"({root.entry_id}): fix that one first."))
+        out.append(d)
+    return ([d for d in out if d.entry_id == root.entry_id]
+            + [d for d in out if d.entry_id != root.entry_id])
+
+
+def explain_input(data: Input) -> list[Diagnosis]:
+    """Diagnoses for what was read, best first; an empty list when nothing is known."""
+    found = [_diagnosis(m, data) for m in knowledge.match(data.text)]
+    found = [_refine_oom(d, data.text) if d.entry_id == OOM_ENTRY else d for d in found]
+    return _link_echoes(found)
+
+
 def explain_text(text: str) -> list[Diagnosis]:
-    """Diagnoses for a log or traceback, best first; an empty list when nothing is known."""
-    return [_diagnosis(m) for m in knowledge.match(clean(text))]
+    """Diagnoses for a log or traceback given as a string, best first."""
+    return explain_input(from_text(text))

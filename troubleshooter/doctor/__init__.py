@@ -16,7 +16,8 @@ import os
 import sys
 from importlib import import_module
 
-from troubleshooter.doctor.base import FAMILIES, CheckResult, DoctorOptions, error_result, exit_code
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import FAMILIES, CheckResult, DoctorOptions, cite, exit_code
 from troubleshooter.doctor.probes import FAMILY_STAGES, ProbeSet
 
 __all__ = ["CheckResult", "DoctorOptions", "FAMILIES", "add_arguments", "exit_code", "main",
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from troubleshooter.argtypes import positive_int
 
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--report", action="store_true",
+                        help="print one Markdown block for a bug report: system, GPUs, CUDA, "
+                             "packages, environment (secrets masked) and every check's verdict")
     parser.add_argument("--config", metavar="PATH", help="also lint this DeepSpeed config")
     parser.add_argument("--ep-size", type=positive_int, metavar="N", help="planned expert-parallel size")
     parser.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per MoE layer")
@@ -89,9 +93,9 @@ def _run_family(family: str, opts: DoctorOptions, probes: ProbeSet) -> list[Chec
     try:
         return list(import_module(f"troubleshooter.doctor.{family}").check(opts, probes))
     except Exception as err:  # noqa: BLE001 - the doctor must report, not die
-        return [error_result(f"{family}.internal", f"{family} checks",
-                             f"the check itself failed: {type(err).__name__}: {err}",
-                             fix="Please report this with the output of --json.")]
+        return [CheckResult(f"{family}.internal", f"{family} checks", "error",
+                            f"the check itself failed: {type(err).__name__}: {err}",
+                            entry="doctor-run", **cite(knowledge.fix("doctor-run", "report-bug")))]
 
 
 def run_checks(options: DoctorOptions | argparse.Namespace) -> list[CheckResult]:
@@ -109,8 +113,14 @@ def main(args: argparse.Namespace) -> int:
     """Run the doctor for the CLI and print the table (or JSON); return the exit status."""
     from troubleshooter.doctor import report
 
-    results = run_checks(args)
-    if getattr(args, "json", False):
+    opts = to_options(args)
+    results = run_checks(opts)
+    if getattr(args, "report", False):
+        from troubleshooter import __version__
+        from troubleshooter.doctor import bugreport
+
+        sys.stdout.write(bugreport.render(results, opts, __version__))
+    elif getattr(args, "json", False):
         sys.stdout.write(report.to_json(results) + "\n")
     else:
         report.render(results, sys.stdout)

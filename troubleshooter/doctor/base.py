@@ -18,6 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from troubleshooter import knowledge
+from troubleshooter.knowledge import Fix
+
 #: Allowed values of :attr:`CheckResult.status`, from best to worst for display purposes.
 STATUSES = ("ok", "skip", "warn", "fail", "error")
 
@@ -27,8 +30,10 @@ class CheckResult:
     """One finding of the doctor.
 
     ``status`` is ok | warn | fail | skip | error; ``error`` means the probe itself died or timed
-    out, so the doctor could not tell. ``found`` says what was seen, ``why`` why it matters and
-    ``fix`` what to do; ``entry`` names a knowledge-base entry with the long explanation.
+    out, so the doctor could not tell. ``found`` says what was seen (filled with the value, the
+    key, the path), ``why`` why it matters and ``fix`` what to do: both are knowledge-base texts
+    (see :func:`cite`), ``fix_id`` names the fix as ``entry/fix``, and ``entry`` names the
+    knowledge-base entry with the long explanation.
     """
 
     id: str
@@ -39,6 +44,7 @@ class CheckResult:
     fix: str = ""
     entry: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    fix_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -160,13 +166,17 @@ def json_lines(text: str) -> list[dict[str, Any]]:
     return found
 
 
-def error_result(check_id: str, title: str, found: str, *, why: str = "", fix: str = "",
+def cite(fix: Fix, **values: Any) -> dict[str, str]:
+    """The ``fix`` and ``fix_id`` keywords of a result for a knowledge-base fix, filled in."""
+    return {"fix": fix.render(**values), "fix_id": f"{fix.entry}/{fix.id}"}
+
+
+def error_result(check_id: str, title: str, found: str, *, why: str = "", timeout: float = 60.0,
                  entry: str | None = None, details: dict[str, Any] | None = None) -> CheckResult:
     """A result for a probe that died: the doctor could not tell, and says so."""
     return CheckResult(check_id, title, "error", found, why=why,
-                       fix=fix or "Re-run with a larger --timeout; if it still fails, run the "
-                       "probe's command by hand to see its error.",
-                       entry=entry, details=details or {})
+                       **cite(knowledge.fix("doctor-run", "larger-timeout"), timeout=timeout),
+                       entry=entry or "doctor-run", details=details or {})
 
 
 #: The check families, in the order they run and are shown.

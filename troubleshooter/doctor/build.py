@@ -14,7 +14,8 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, error_result, run_probe
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, error_result, run_probe
 from troubleshooter.doctor.probes import ProbeSet
 
 #: Ops this project's training paths load: optimizer (GPU and offload) and CPU collectives.
@@ -50,15 +51,16 @@ def compiler_result(options: DoctorOptions) -> CheckResult:
     details = {"cxx": main, "which": others, "source": "$CXX" if options.env.get("CXX") else "default c++"}
     title = "C++ compiler"
     if "probe_error" in main:
-        return error_result("build.compiler", title, main["probe_error"], details=details)
+        return error_result("build.compiler", title, main["probe_error"], details=details,
+                            timeout=options.timeout)
     if main["path"] is None or main["version"] is None:
         return CheckResult(
             "build.compiler", title, "fail",
             f"{cxx} ({details['source']}) not usable: {main.get('problem', 'not on PATH')}",
-            why="torch.utils.cpp_extension compiles every DeepSpeed op with it at first use; on CPU "
-                "even the collectives op (deepspeed_shm_comm) needs it.",
-            fix="Install a compiler (apt-get install g++ / build-essential) or set CXX to one.",
-            entry="missing-compiler", details=details)
+            why=knowledge.message("missing-compiler", "compiler-needed").render(cxx=cxx),
+            entry="missing-compiler", **cite(knowledge.fix("missing-compiler", "set-cxx"), cxx=cxx,
+                                             problem=main.get("problem", "not on PATH")),
+            details=details)
     return CheckResult("build.compiler", title, "ok", f"{cxx}: {main['version']} ({main['path']})",
                        details=details)
 
@@ -68,14 +70,13 @@ def ninja_result(options: DoctorOptions) -> CheckResult:
     info = tool_version("ninja", options.env, options.timeout)
     title = "ninja"
     if "probe_error" in info:
-        return error_result("build.ninja", title, info["probe_error"], details=info)
+        return error_result("build.ninja", title, info["probe_error"], details=info,
+                            timeout=options.timeout)
     if info["version"] is None:
         return CheckResult(
             "build.ninja", title, "fail", f"ninja not usable: {info.get('problem', 'not on PATH')}",
-            why="DeepSpeed's jit_load raises 'Unable to JIT load the <op> op due to ninja not being "
-                "installed' (torch's verify_ninja_availability runs `ninja --version`).",
-            fix="pip install ninja (in the environment you train from, so it is on PATH).",
-            entry="ninja-missing", details=info)
+            why=knowledge.message("ninja-missing", "ninja-needed").render(),
+            entry="ninja-missing", **cite(knowledge.fix("ninja-missing", "install-ninja")), details=info)
     return CheckResult("build.ninja", title, "ok", f"ninja {info['version']} ({info['path']})",
                        details=info)
 
@@ -87,8 +88,8 @@ def ops_result(options: DoctorOptions, probes: ProbeSet) -> CheckResult:
     if table is None or "exception" in table:
         reason = table["exception"] if table else outcome.describe_failure(options.timeout)
         return error_result("build.ops", title, f"deepspeed op probe: {reason}",
-                            why="the probe imports deepspeed and asks each op builder, as ds_report does.",
-                            details={"stderr_tail": outcome.stderr[-2000:]})
+                            why=knowledge.message("doctor-run", "probe-died").render(what="op table"),
+                            details={"stderr_tail": outcome.stderr[-2000:]}, timeout=options.timeout)
     ops = table["ops"]
     compatible = sorted(n for n, o in ops.items() if o["compatible"])
     installed = sorted(n for n, o in ops.items() if o["installed"])
@@ -96,16 +97,16 @@ def ops_result(options: DoctorOptions, probes: ProbeSet) -> CheckResult:
     found = (f"accelerator {table['accelerator']}; {len(compatible)}/{len(ops)} ops can be JIT-built; "
              f"pre-built: {', '.join(installed) or 'none'}")
     incompatible = sorted(set(ops) - set(compatible))
-    if incompatible:
-        found += f"; not compatible: {', '.join(incompatible)}"
+    if incompatible:  # with the builders' own reasons, as ds_report prints them
+        found += "; not compatible: " + ", ".join(
+            f"{n} ({ops[n]['reason']})" if ops[n].get("reason") else n for n in incompatible)
     details = {**table, "compatible": compatible, "installed": installed}
     if missing:
         reasons = "; ".join(f"{n}: {ops[n]['reason'] or 'not compatible'}" for n in missing)
         return CheckResult(
             "build.ops", title, "warn", found,
-            why=f"ops this project's training paths use cannot be built here ({reasons}).",
-            fix="Run ds_report for the builders' own messages; most need the CUDA toolkit, a "
-                "compiler or a dev package.", entry="extension-build-error", details=details)
+            why=knowledge.message("extension-build-error", "ops-not-buildable").render(reasons=reasons),
+            entry="extension-build-error", **cite(knowledge.fix("extension-build-error", "run-ds-report")),
+            details=details)
     return CheckResult("build.ops", title, "ok", found,
-                       why="ops not pre-built are JIT-compiled at first use (needs the compiler "
-                           "and ninja above).", details=details)
+                       why=knowledge.message("extension-build-error", "ops-jit").render(), details=details)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, error_result
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, error_result
 from troubleshooter.doctor.probes import ProbeSet
 
 SEVERITY_STATUS = {"error": "fail", "warning": "warn", "info": "ok"}
@@ -20,17 +21,19 @@ def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
     """Lint ``options.config`` (skip without one)."""
     if options.config is None:
         return [CheckResult("config.lint", "DeepSpeed config", "skip", "no --config given",
-                            fix="Pass --config ds_config.json to lint it as part of the checks.")]
+                            entry="doctor-run", **cite(knowledge.fix("doctor-run", "pass-config")))]
     try:
         from troubleshooter.lint import lint_path
     except ImportError as err:
-        return [error_result("config.lint", "DeepSpeed config", f"the lint is not available: {err}")]
+        return [error_result("config.lint", "DeepSpeed config", f"the lint is not available: {err}",
+                             timeout=options.timeout)]
     try:
         findings = lint_path(options.config, world_size=options.world_size)
     except Exception as err:  # the lint reports unreadable input as a one-line error
         message = str(err) if options.config in str(err) else f"{options.config}: {err}"
         return [CheckResult("config.lint", "DeepSpeed config", "fail", message,
-                            fix="Fix the file so that it is a JSON object DeepSpeed can read.",
+                            entry="config-file-format",
+                            **cite(knowledge.fix("config-file-format", "strict-json")),
                             details={"path": options.config, "error": str(err)})]
     if not findings:
         return [CheckResult("config.lint", "DeepSpeed config", "ok",
@@ -41,7 +44,6 @@ def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
 def entry_for(rule: str) -> str | None:
     """The rule id when the knowledge base has an entry of that name (rules cite entries)."""
     try:
-        from troubleshooter import knowledge
         return knowledge.get(rule).id
     except Exception:
         return None
@@ -49,13 +51,21 @@ def entry_for(rule: str) -> str | None:
 
 def finding_result(path: str, finding: Any) -> CheckResult:
     """One lint finding as one result."""
+    line = getattr(finding, "line", None)
     details = {"rule": finding.rule, "severity": finding.severity, "path": finding.path,
-               "patch": getattr(finding, "patch", None), "file": path}
-    where = f" at {finding.path}" if finding.path else ""
+               "patch": getattr(finding, "patch", None), "file": path, "line": line,
+               "col": getattr(finding, "col", None)}
+    where = f":{line}" if line else ""
+    where += f" at {finding.path}" if finding.path else ""
+    fix = finding.fix or ""
+    if fix and finding.path and finding.path not in fix:  # what to do names the key it is about
+        fix = f"{finding.path}: {fix}"
+    fix_id = (f"{getattr(finding, 'fix_entry', '') or finding.rule}/{finding.fix_id}"
+              if getattr(finding, "fix_id", "") else None)
     # A rule can fire at several places in one file: the JSON path keeps the ids unique.
     check_id = f"config.{finding.rule}" + (f"@{finding.path}" if finding.path else "")
     return CheckResult(check_id, f"Config: {finding.rule}",
                        SEVERITY_STATUS.get(finding.severity, "warn"),
-                       f"{path}{where}: {finding.message}", fix=finding.fix or "",
+                       f"{path}{where}: {finding.message}", fix=fix, fix_id=fix_id,
                        entry=getattr(finding, "entry", None) or entry_for(finding.rule),
                        details=details)

@@ -26,22 +26,23 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, error_result, run_probe
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, error_result, run_probe
 from troubleshooter.doctor.probes import ProbeSet
 from troubleshooter.doctor.versions import package_dir
 
-CPU_MODE = ("CPU mode works: lightning-zeromoe trains on CPU processes with the gloo backend "
-            "(DeepSpeed's CPU accelerator).")
+CPU_MODE = knowledge.message("cuda-home-missing", "cpu-mode").text
 
 
 def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
     """Toolkit, torch-vs-toolkit match, GPUs."""
-    toolkit = find_toolkit(options.env, options.timeout)
+    toolkit = {**find_toolkit(options.env, options.timeout), "timeout": options.timeout}
     stage, outcome = probes.stage("cuda")
     if stage is None or "exception" in stage:
         reason = stage["exception"] if stage else outcome.describe_failure(options.timeout)
         failed = error_result("cuda.torch", "torch CUDA probe", f"torch probe: {reason}",
-                              why="torch.version.cuda and the GPU list come from this probe.",
+                              why=knowledge.message("doctor-run", "probe-died").render(
+                                  what="torch CUDA version and GPU list"), timeout=options.timeout,
                               details={"stderr_tail": outcome.stderr[-2000:]})
         return [toolkit_result(toolkit, torch_cuda=None, torch_known=False), failed]
     torch_cuda = stage.get("torch_cuda")
@@ -103,8 +104,8 @@ def toolkit_result(toolkit: dict[str, Any], torch_cuda: str | None, torch_known:
     title = "CUDA toolkit (nvcc)"
     if "probe_error" in toolkit:
         return error_result("cuda.toolkit", title, toolkit["probe_error"], details=toolkit,
-                            why="a hung nvcc (e.g. on a dead network mount) also hangs DeepSpeed's "
-                                "op builds.")
+                            why=knowledge.message("cuda-home-missing", "nvcc-hangs").render(),
+                            timeout=toolkit.get("timeout", 60.0))
     release = toolkit.get("release")
     if release is not None:
         return CheckResult("cuda.toolkit", title, "ok",
@@ -114,16 +115,14 @@ def toolkit_result(toolkit: dict[str, Any], torch_cuda: str | None, torch_known:
     missing = toolkit.get("problem") or toolkit["found_via"]
     if torch_known and torch_cuda is None:
         return CheckResult("cuda.toolkit", title, "skip", f"no usable nvcc: {missing}",
-                           why="torch is a CPU build, so no CUDA op will be compiled. " + CPU_MODE,
+                           why=knowledge.message("cuda-home-missing", "cpu-build").render(),
                            details=toolkit)
     return CheckResult(
         "cuda.toolkit", title, "warn", f"no usable nvcc: {missing}",
-        why="DeepSpeed JIT-compiles CUDA ops (FusedAdam, ...) with $CUDA_HOME/bin/nvcc; without it "
-            "they raise MissingCUDAException ('CUDA_HOME does not exist, unable to compile CUDA "
-            "op(s)') at first use.",
-        fix=f"Install the CUDA toolkit matching torch (CUDA {torch_cuda or '?'}) and set CUDA_HOME "
-            "to it, or install a deepspeed with pre-built ops.",
-        entry="cuda-home-missing", details=toolkit)
+        why=knowledge.message("cuda-home-missing", "no-nvcc").render(torch_cuda=torch_cuda or "?"),
+        entry="cuda-home-missing",
+        **cite(knowledge.fix("cuda-home-missing", "toolkit-for-torch"), torch_cuda=torch_cuda or "?"),
+        details=toolkit)
 
 
 def minor_tolerance() -> dict[int, list[str]] | None:
@@ -179,24 +178,26 @@ def match_result(toolkit: dict[str, Any], stage: dict[str, Any], env: Mapping[st
     details = {"torch_cuda": torch_cuda, "system_cuda": release, "hip": stage.get("hip")}
     if stage.get("hip"):
         return CheckResult("cuda.match", title, "skip", f"torch is a ROCm build (HIP {stage['hip']})",
-                           why="the doctor checks CUDA toolkits only.", details=details)
+                           why=knowledge.message("cuda-home-missing", "rocm").render(), details=details)
     if torch_cuda is None:
         return CheckResult("cuda.match", title, "skip", "torch is a CPU build (torch.version.cuda is None)",
                            why=CPU_MODE, details=details)
     if release is None:
         return CheckResult("cuda.match", title, "skip",
                            f"torch built with CUDA {torch_cuda}; no nvcc to compare with",
-                           why="see the CUDA toolkit check.", details=details)
+                           why=knowledge.message("cuda-home-missing", "see-toolkit").render(),
+                           details=details)
     tolerance = minor_tolerance()
     details["tolerance_table"] = {str(k): v for k, v in (tolerance or {}).items()}
     status, reason = compare(torch_cuda, release, tolerance, env.get("DS_SKIP_CUDA_CHECK", "0") == "1")
-    fix = "" if status == "ok" else (
-        f"Install the CUDA {'.'.join(torch_cuda.split('.')[:2])} toolkit and point CUDA_HOME at it, or "
-        f"install the torch wheel built for CUDA {release[0]}.{release[1]}.")
+    advice = {} if status == "ok" else cite(
+        knowledge.fix("cuda-version-mismatch", "match-toolkit"),
+        torch=".".join(torch_cuda.split(".")[:2]), system=f"{release[0]}.{release[1]}")
     return CheckResult("cuda.match", title, status,
                        f"torch CUDA {torch_cuda}, nvcc {release[0]}.{release[1]}: {reason}",
-                       why="DeepSpeed compiles its ops against torch's CUDA headers with the system nvcc.",
-                       fix=fix, entry=None if status == "ok" else "cuda-version-mismatch",
+                       why=knowledge.message("cuda-version-mismatch", "ops-use-nvcc").render(
+                           nvcc=toolkit.get("nvcc")),
+                       entry=None if status == "ok" else "cuda-version-mismatch", **advice,
                        details=details)
 
 
@@ -215,9 +216,7 @@ def gpus_result(stage: dict[str, Any], visible: str | None = None) -> CheckResul
     found = f"{stage.get('count', len(devices))} GPU(s): {listing}; bf16 {'yes' if stage.get('bf16') else 'no'}"
     if not stage.get("bf16"):
         return CheckResult("cuda.gpus", title, "warn", found,
-                           why="MoE training is more stable in bf16 than fp16 (router logits "
-                               "overflow); this GPU has no bf16.",
-                           fix="Prefer a GPU with bf16 (compute capability 8.0 or newer); with "
-                               "fp16 keep dynamic loss scaling on and watch for overflow.",
+                           why=knowledge.message("gpu-without-bf16", "no-bf16").render(),
+                           entry="gpu-without-bf16", **cite(knowledge.fix("gpu-without-bf16", "prefer-bf16")),
                            details=stage)
     return CheckResult("cuda.gpus", title, "ok", found, details=stage)

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from lightning_zeromoe import compat
-from troubleshooter.doctor.base import CheckResult, DoctorOptions
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite
 from troubleshooter.doctor.probes import ProbeSet
 from troubleshooter.doctor.versions import package_dir
 
@@ -37,8 +38,34 @@ BUILD_VAR = re.compile(r"""BUILD_VAR\s*=\s*["'](DS_BUILD_[A-Z0-9_]+)["']""")
 
 
 def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
-    """DS_BUILD_* meaning, and stale JIT lock files."""
-    return [ds_build_result(options.env), locks_result(options)]
+    """DS_BUILD_* meaning, misspelt knobs, and stale JIT lock files."""
+    return [ds_build_result(options.env), knob_names_result(options.env), locks_result(options)]
+
+
+def knob_names_result(env: Mapping[str, str]) -> CheckResult:
+    """Did-you-mean for DS_BUILD_*, NCCL_*, TORCH_* and PYTORCH_* variables no library reads."""
+    from troubleshooter.doctor import knobs
+    from troubleshooter.doctor.timeouts import TORCH_NCCL_KNOBS
+
+    title = "Environment knob names"
+    candidates = {k: v for k, v in env.items() if k.startswith(knobs.PREFIXES)}
+    if not candidates:
+        return CheckResult("env.knob_names", title, "ok", "no DS_BUILD_*, NCCL_*, TORCH_* or PYTORCH_* set")
+    known = knobs.known_names(known_build_vars(), set(SETUP_NAMES), set(TORCH_NCCL_KNOBS))
+    found = knobs.typos(candidates, known)
+    details = {"set": sorted(candidates), "typos": [vars(t) for t in found]}
+    if not found:
+        return CheckResult("env.knob_names", title, "ok",
+                           f"{len(candidates)} set, none a near miss of a known name", details=details)
+    rename = knowledge.fix("env-knob-typo", "rename-knob")
+    return CheckResult(
+        "env.knob_names", title, "warn",
+        "; ".join(knowledge.message("env-knob-typo", "unknown-name").render(
+            name=t.name, reader=t.reader, suggestion=t.suggestion) for t in found),
+        why=knowledge.get("env-knob-typo").cause.split("\n\n")[0].replace("\n", " "),
+        entry="env-knob-typo",
+        fix=" ".join(rename.render(name=t.name, suggestion=t.suggestion, reader=t.reader) for t in found),
+        fix_id="env-knob-typo/rename-knob", details=details)
 
 
 def known_build_vars() -> set[str]:
@@ -97,11 +124,10 @@ def ds_build_result(env: Mapping[str, str]) -> CheckResult:
     found = ", ".join(f"{k}={v}" for k, v in sorted(set_vars.items()))
     if problems:
         return CheckResult("env.ds_build", title, "warn", f"{found}: " + "; ".join(problems),
-                           why=meaning,
-                           fix="Unset these at run time. To pre-build ops: DS_BUILD_OPS=1 pip "
-                               "install deepspeed --no-build-isolation --no-cache-dir "
-                               "(DS_BUILD_<OP>=0 to leave one out).",
-                           entry="ds-build-ops-meaning", details=details)
+                           why=meaning, entry="ds-build-ops-meaning",
+                           **cite(knowledge.fix("ds-build-ops-meaning", "unset-at-run-time"),
+                                  names=" ".join(sorted(set_vars))),
+                           details=details)
     return CheckResult("env.ds_build", title, "ok",
                        f"{found}: read only when pip builds deepspeed; pre-built in this install: "
                        f"{', '.join(prebuilt or []) or 'none'}",
@@ -167,11 +193,10 @@ def locks_result(options: DoctorOptions) -> CheckResult:
         return CheckResult(
             "env.extension_locks", title, "fail",
             f"{len(stale)} stale lock(s), held by no process: {listing}",
-            why="torch waits forever for a lock left by a killed JIT build; the next run that "
-                "needs this op hangs at 'Loading extension module'.",
-            fix="Delete the lock file(s): rm " + " ".join(r["path"] for r in stale) +
-                " (or the op's whole build directory to rebuild it from scratch).",
-            entry="stale-extension-lock", details=details)
+            why=knowledge.message("stale-extension-lock", "waits-forever").render(),
+            entry="stale-extension-lock",
+            **cite(knowledge.fix("stale-extension-lock", "delete-these-locks"),
+                   paths=" ".join(r["path"] for r in stale)), details=details)
     if rows:
         note = "; ".join(f"{r['path']}: " + (f"held by pid {r['held_by']}" if r["held_by"]
                                                else f"{r['age_min']:g} min old, not yet stale")

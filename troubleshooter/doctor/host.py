@@ -1,7 +1,9 @@
 """The host: RAM, shared memory, and the locked-memory limit.
 
-Why: ZeRO-3 with offload keeps optimizer states (12 bytes per parameter) and possibly the
-parameters in host RAM; NCCL and DataLoader workers exchange data through ``/dev/shm``, which
+Why: ZeRO-3 with offload keeps the model states in host RAM: DeepSpeed's own estimator
+(``estimate_zero3_model_states_mem_needs`` in deepspeed/runtime/zero/stage3.py) plans 16 bytes per
+parameter with ``offload_optimizer`` (fp32 master weights, Adam's two moments, fp32 gradients),
+18 with ``offload_param`` as well, times a 1.5 buffer factor, per node; NCCL and DataLoader workers exchange data through ``/dev/shm``, which
 container runtimes make tiny by default (Docker: 64 MiB); and memory that InfiniBand/RDMA
 registers, and the pinned CPU buffers of ZeRO offload, must be locked, so a low ``ulimit -l``
 breaks them. DeepSpeed's own
@@ -15,9 +17,14 @@ import os
 import resource
 from pathlib import Path
 
-from troubleshooter.doctor.base import CheckResult, DoctorOptions
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite
 from troubleshooter.doctor.probes import ProbeSet
 
+#: deepspeed 0.19.8 estimate_zero3_model_states_mem_needs (zero_init=True): host bytes per
+#: parameter with offload_param off / on, and its additional_buffer_factor default.
+OFFLOAD_BYTES_PER_PARAM = {False: 16, True: 18}
+OFFLOAD_BUFFER_FACTOR = 1.5
 SHM_WARN_BYTES = 512 * 2**20
 LOW_RAM_BYTES = 2 * 2**30
 MEMLOCK_OK_BYTES = 2**30  # "unlimited" is what NVIDIA's container guidance asks for
@@ -26,6 +33,21 @@ MEMLOCK_OK_BYTES = 2**30  # "unlimited" is what NVIDIA's container guidance asks
 def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
     """RAM, /dev/shm (at ``options.shm_path``), memlock."""
     return [ram_result(), shm_result(options.shm_path), memlock_result()]
+
+
+def offload_host_bytes(params: int, *, offload_params: bool, nodes: int = 1) -> int:
+    """Host RAM per node for offloaded ZeRO-3 model states, as DeepSpeed's estimator computes it."""
+    return int(params * OFFLOAD_BYTES_PER_PARAM[offload_params] / nodes * OFFLOAD_BUFFER_FACTOR)
+
+
+def params_that_fit(host_bytes: int, *, offload_params: bool) -> int:
+    """The most parameters whose offloaded states ``host_bytes`` of one node hold (one node)."""
+    return int(host_bytes / (OFFLOAD_BYTES_PER_PARAM[offload_params] * OFFLOAD_BUFFER_FACTOR))
+
+
+def count(params: int) -> str:
+    """A parameter count for people: 1.2 B, 350 M."""
+    return f"{params / 1e9:.1f} B" if params >= 1e9 else f"{params / 1e6:.0f} M"
 
 
 def gib(value: float) -> str:
@@ -93,20 +115,21 @@ def ram_result() -> CheckResult:
         return CheckResult("host.ram", "Host RAM", "skip", "no /proc/meminfo on this system",
                            details=details)
     found = f"{gib(total)} total, {gib(available or 0)} available"
-    why = ("offloaded optimizer states need ~12 bytes per offloaded parameter on each node, "
-           "divided among its ranks.")
+    usable = min(x for x in (available or total, limit or total) if x)
+    why = knowledge.message("cpu-oom", "offload-host-ram").render(
+        available=gib(usable), params_optimizer=count(params_that_fit(usable, offload_params=False)),
+        params_param=count(params_that_fit(usable, offload_params=True)))
     if limit is not None and limit < total:
         return CheckResult(
             "host.ram", "Host RAM", "warn", found + f"; but this container is limited to {gib(limit)}",
-            why=why + " Past the cgroup limit the kernel kills the process (exit 137, no Python "
-                "error); free/top show the host's memory, not the limit.",
-            fix="Size offload and DataLoader workers for the container limit, or raise it.",
+            why=why + " " + knowledge.message("cpu-oom", "container-limit").render(limit=gib(limit)),
+            entry="cpu-oom", **cite(knowledge.fix("cpu-oom", "fit-container-limit"), limit=gib(limit)),
             details=details)
     if available is not None and available < LOW_RAM_BYTES:
         return CheckResult("host.ram", "Host RAM", "warn", found,
-                           why=why + " With this little free memory, start-up alone (torch, "
-                               "deepspeed, the model) can hit the OOM killer.",
-                           fix="Stop other jobs on this host or use a larger one.", details=details)
+                           why=why + " " + knowledge.message("cpu-oom", "low-ram").render(available=gib(available)),
+                           entry="cpu-oom", **cite(knowledge.fix("cpu-oom", "free-host-memory")),
+                           details=details)
     return CheckResult("host.ram", "Host RAM", "ok", found, why=why, details=details)
 
 
@@ -117,19 +140,18 @@ def shm_result(path: str) -> CheckResult:
         stats = os.statvfs(path)
     except OSError as err:
         return CheckResult("host.shm", title, "warn", f"{path}: {err.strerror}",
-                           why="NCCL and DataLoader workers need a shared-memory file system.",
-                           fix="Mount a tmpfs at /dev/shm (docker run --shm-size=8g, or --ipc=host).",
-                           entry="shm-too-small", details={"path": path})
+                           why=knowledge.message("shm-too-small", "shm-unreadable").render(
+                               path=path, error=err.strerror),
+                           entry="shm-too-small", **cite(knowledge.fix("shm-too-small", "raise-shm-size")),
+                           details={"path": path})
     size = stats.f_frsize * stats.f_blocks
     details = {"path": path, "bytes": size, "warn_below": SHM_WARN_BYTES}
     if size < SHM_WARN_BYTES:
         return CheckResult(
             "host.shm", title, "warn", f"{path} is {gib(size)}",
-            why="NCCL's intra-node transport and DataLoader workers allocate in /dev/shm; when it "
-                "runs out they fail with 'unhandled system error' or bus errors. ds_report warns "
-                "below 512 MiB.",
-            fix="docker run --shm-size=8g (or --ipc=host); in Kubernetes mount an emptyDir with "
-                "medium: Memory at /dev/shm.", entry="shm-too-small", details=details)
+            why=knowledge.message("shm-too-small", "shm-small").render(path=path, size=gib(size)),
+            entry="shm-too-small", **cite(knowledge.fix("shm-too-small", "raise-shm-size")),
+            details=details)
     return CheckResult("host.shm", title, "ok", f"{path} is {gib(size)}", details=details)
 
 
@@ -144,9 +166,5 @@ def memlock_result() -> CheckResult:
     return CheckResult(
         "host.memlock", title, "warn", f"{gib(soft)} (soft), "
         + ("unlimited" if hard == resource.RLIM_INFINITY else gib(hard)) + " (hard)",
-        why="offload with pin_memory (the default) keeps page-locked CPU buffers (deepspeed's "
-            "offload_config.py: 'Disable only on hosts with tight memlock limits'; "
-            "DS_PIN_MEMORY_BACKEND=native pins with mlock), and RDMA (NCCL over InfiniBand/RoCE) "
-            "registers locked memory; a small limit makes either fail.",
-        fix="ulimit -l unlimited (limits.conf: '* - memlock unlimited'); in Docker: "
-            "--ulimit memlock=-1.", entry="memlock-limit", details=details)
+        why=knowledge.message("memlock-limit", "memlock-low").render(soft=gib(soft)),
+        entry="memlock-limit", **cite(knowledge.fix("memlock-limit", "raise-memlock")), details=details)

@@ -10,7 +10,8 @@ the network instead of NVLink.
 
 from __future__ import annotations
 
-from troubleshooter.doctor.base import CheckResult, DoctorOptions
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite
 from troubleshooter.doctor.probes import ProbeSet
 
 
@@ -21,9 +22,8 @@ def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
         given = [n for n in ("num_experts", "world_size", "gpus_per_node") if getattr(options, n)]
         why = f"{', '.join('--' + g.replace('_', '-') for g in given)} given without --ep-size" \
             if given else "no --ep-size given"
-        return [CheckResult("layout.ep_size", "Expert-parallel layout", "skip", why,
-                            fix="Pass --ep-size N with --num-experts, --world-size and "
-                                "--gpus-per-node to check a planned layout.")]
+        return [CheckResult("layout.ep_size", "Expert-parallel layout", "skip", why, entry="ep-layout",
+                            **cite(knowledge.fix("doctor-run", "pass-layout")))]
     return [experts_result(ep, options.num_experts), world_result(ep, options.world_size),
             node_result(ep, options.gpus_per_node)]
 
@@ -46,9 +46,8 @@ def experts_result(ep: int, experts: int | None) -> CheckResult:
     problem = "exceeds" if ep > experts else "does not divide"
     return CheckResult(
         "layout.experts", title, "fail", f"ep_size {ep} {problem} {experts} experts",
-        why="AutoEP gives every rank of an expert group experts / ep_size whole experts and raises "
-            "ValueError at deepspeed.initialize otherwise.",
-        fix=f"Use an ep_size from {divisors(experts)}.", entry="ep-size-divisibility",
+        why=knowledge.message("ep-layout", "experts").render(), entry="ep-layout",
+        **cite(knowledge.fix("ep-layout", "divisor-of-experts"), valid=divisors(experts), experts=experts),
         details=details)
 
 
@@ -65,10 +64,9 @@ def world_result(ep: int, world: int | None) -> CheckResult:
                            details=details)
     return CheckResult(
         "layout.world", title, "fail", f"world size {world} is not a multiple of ep_size {ep}",
-        why="deepspeed/utils/groups.py asserts the data-parallel world divides by ep_size when it "
-            "builds the expert groups.",
-        fix=f"Use an ep_size from {divisors(world)} or change the number of processes.",
-        entry="ep-size-divisibility", details=details)
+        why=knowledge.message("ep-layout", "world").render(), entry="ep-layout",
+        **cite(knowledge.fix("ep-layout", "divisor-of-world"), valid=divisors(world), ep=ep),
+        details=details)
 
 
 def node_result(ep: int, gpus: int | None) -> CheckResult:
@@ -85,7 +83,6 @@ def node_result(ep: int, gpus: int | None) -> CheckResult:
              f"ep_size {ep} does not divide {gpus} GPUs per node, so some groups straddle two nodes")
     return CheckResult(
         "layout.node", title, "warn", found + ": the all-to-all crosses nodes",
-        why="every MoE layer does two all-to-alls inside its expert group; across nodes they run "
-            "over the network, usually the bottleneck of MoE training.",
-        fix=f"Use an ep_size that divides {gpus} (e.g. {max(d for d in divisors(gpus) if d <= gpus)}).",
-        entry="ep-size-divisibility", details=details)
+        why=knowledge.message("ep-layout", "cross-node").render(), entry="ep-layout",
+        **cite(knowledge.fix("ep-layout", "group-in-node"), gpus=gpus,
+               suggested=max(d for d in divisors(gpus) if d <= min(ep, gpus))), details=details)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, error_result
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, error_result
 from troubleshooter.doctor.probes import ProbeSet
 
 #: Switches that force NCCL onto a slower transport, with what they remove.
@@ -34,7 +35,8 @@ def available_result(options: DoctorOptions, probes: ProbeSet) -> CheckResult:
     stage, outcome = probes.stage("nccl")
     if stage is None or "exception" in stage:
         reason = stage["exception"] if stage else outcome.describe_failure(options.timeout)
-        return error_result("nccl.available", title, f"torch probe: {reason}",
+        return error_result("nccl.available", title, f"torch probe: {reason}", timeout=options.timeout,
+                            why=knowledge.message("doctor-run", "probe-died").render(what="NCCL version"),
                             details={"stderr_tail": outcome.stderr[-2000:]})
     cpu_build = stage.get("torch_cuda") is None
     if stage["nccl_available"]:
@@ -44,12 +46,11 @@ def available_result(options: DoctorOptions, probes: ProbeSet) -> CheckResult:
     if cpu_build or not stage.get("distributed"):
         return CheckResult("nccl.available", title, "skip",
                            "not available: this torch has no NCCL (CPU build)",
-                           why="CPU training uses the gloo backend, which needs no NCCL.",
+                           why=knowledge.message("nccl-unavailable", "cpu-gloo").render(),
                            details=stage)
     return CheckResult("nccl.available", title, "fail", "torch was built without NCCL support",
-                       why="multi-GPU training with DeepSpeed uses the nccl backend.",
-                       fix="Install a CUDA build of torch from pytorch.org (it bundles NCCL).",
-                       details=stage)
+                       why=knowledge.message("nccl-unavailable", "needed").render(), entry="nccl-unavailable",
+                       **cite(knowledge.fix("nccl-unavailable", "cuda-torch")), details=stage)
 
 
 def _enabled(value: str) -> bool:
@@ -69,29 +70,27 @@ def switches_result(env: Mapping[str, str]) -> CheckResult:
     found = "; ".join(f"{k}={v} turns off {SLOWING_SWITCHES[k]}" for k, v in on.items())
     return CheckResult(
         "nccl.switches", title, "warn", found,
-        why="expert parallelism does two all-to-alls per MoE layer; with faster transports off, "
-            "every one of them (and ZeRO-3's all-gathers) takes the slow path.",
-        fix="Unset them; if they were set to get past a hang, find the cause with NCCL_DEBUG=INFO "
-            "(often ACS/IOMMU settings for P2P, or a wrong NCCL_SOCKET_IFNAME / IB port).",
-        entry="nccl-p2p-ib-disabled", details=details)
+        why=knowledge.message("nccl-p2p-ib-disabled", "slow-path").render(), entry="nccl-p2p-ib-disabled",
+        **cite(knowledge.fix("nccl-p2p-ib-disabled", "unset-named-switches"), names=" ".join(on)),
+        details=details)
 
 
 def debug_result(env: Mapping[str, str]) -> CheckResult:
     """NCCL_DEBUG: advice for the level that is set."""
     title = "NCCL_DEBUG"
     value = env.get("NCCL_DEBUG")
-    advice = ("NCCL_DEBUG=WARN prints only NCCL's errors and is cheap; use NCCL_DEBUG=INFO "
-              "(with NCCL_DEBUG_SUBSYS=INIT,NET) to see the transports chosen when diagnosing a "
-              "hang or slow all-to-all, and NCCL_DEBUG_FILE=/tmp/nccl.%h.%p to keep ranks apart.")
+    advice = knowledge.message("nccl-debug-level", "advice").render()
     if value is None:
         return CheckResult("nccl.debug", title, "ok", "not set: NCCL stays silent, even on errors",
                            why=advice)
     level = value.strip().upper()
     if level not in DEBUG_LEVELS:
         return CheckResult("nccl.debug", title, "warn", f"NCCL_DEBUG={value}: not a level NCCL knows",
-                           why=f"NCCL accepts {', '.join(DEBUG_LEVELS)}.", fix=advice)
+                           why=knowledge.message("nccl-debug-level", "unknown-level").render(
+                               levels=", ".join(DEBUG_LEVELS)), entry="nccl-debug-level",
+                           **cite(knowledge.fix("nccl-debug-level", "warn-or-info")))
     if level == "TRACE":
         return CheckResult("nccl.debug", title, "warn", "NCCL_DEBUG=TRACE",
-                           why="TRACE logs every call; it slows collectives and floods the logs.",
-                           fix="Use WARN for training runs and INFO for diagnosis. " + advice)
+                           why=knowledge.message("nccl-debug-level", "trace").render(),
+                           entry="nccl-debug-level", **cite(knowledge.fix("nccl-debug-level", "warn-or-info")))
     return CheckResult("nccl.debug", title, "ok", f"NCCL_DEBUG={value}", why=advice)

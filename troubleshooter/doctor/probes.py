@@ -98,11 +98,18 @@ def ops_stage():
         from deepspeed.git_version_info import installed_ops, accelerator_name
         accelerator = get_accelerator()._name
         ops = {}
+        import io, re
         for name, builder in ALL_OPS.items():
-            compatible = bool(probe_is_compatible(builder, False))
+            # verbose, as ds_report asks: the builders print why an op cannot be built
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said):
+                compatible = bool(probe_is_compatible(builder, True))
             installed = bool(installed_ops.get(name, False) and accelerator_name == accelerator)
-            reason = "; ".join(str(x) for x in getattr(builder, "error_log", None) or [])[:300]
-            ops[name] = {"compatible": compatible, "installed": installed, "reason": reason or None}
+            warnings = [re.sub(r"\x1b\[[0-9;]*m|\[WARNING\]", "", line).strip()
+                        for line in said.getvalue().splitlines() if "WARNING" in line]
+            reason = "; ".join(dict.fromkeys(w for w in warnings if w)) or getattr(builder, "error_log", None)
+            ops[name] = {"compatible": compatible, "installed": installed,
+                         "reason": (str(reason)[:500] if reason and not compatible else None)}
         ninja = bool(is_ninja_available())
     return {"deepspeed": deepspeed.__version__, "accelerator": accelerator,
             "installed_for": accelerator_name, "ninja": ninja, "ops": ops}

@@ -17,13 +17,15 @@ Facts, checked against torch 2.13, deepspeed 0.19.8 and lightning 2.6.6:
 
 from __future__ import annotations
 
+import json
 import mmap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning_zeromoe import compat
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, error_result
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, error_result
 from troubleshooter.doctor.probes import ProbeSet
 from troubleshooter.doctor.versions import package_dir
 
@@ -77,10 +79,9 @@ def nccl_timeout_result(env: Mapping[str, str]) -> CheckResult:
         return CheckResult("timeouts.nccl_timeout", title, "ok", "not set")
     return CheckResult(
         "timeouts.nccl_timeout", title, "warn", f"NCCL_TIMEOUT={env['NCCL_TIMEOUT']} is set",
-        why=compat.ENV_FACTS["NCCL_TIMEOUT"],
-        fix="Unset it; pass ZeroMoEStrategy(timeout=timedelta(minutes=...)) (or Lightning's "
-            "strategy timeout), or set DEEPSPEED_TIMEOUT=<minutes> for plain deepspeed.",
-        entry="nccl-timeout-env-ignored", details={"value": env["NCCL_TIMEOUT"]})
+        why=compat.ENV_FACTS["NCCL_TIMEOUT"], entry="nccl-timeout-env-ignored",
+        **cite(knowledge.fix("nccl-timeout-env-ignored", "set-timeout-where-read")),
+        details={"value": env["NCCL_TIMEOUT"]})
 
 
 def deepspeed_timeout_result(env: Mapping[str, str]) -> CheckResult:
@@ -96,8 +97,8 @@ def deepspeed_timeout_result(env: Mapping[str, str]) -> CheckResult:
     except ValueError:
         return CheckResult(
             "timeouts.deepspeed_timeout", title, "fail", f"DEEPSPEED_TIMEOUT={value!r}",
-            why="deepspeed/constants.py calls int() on it at import: `import deepspeed` raises "
-                "ValueError.", fix="Set a whole number of minutes, e.g. DEEPSPEED_TIMEOUT=60.",
+            why=knowledge.message("deepspeed-timeout-env", "int-at-import").render(),
+            entry="deepspeed-timeout-env", **cite(knowledge.fix("deepspeed-timeout-env", "whole-minutes"), value=value),
             details={"value": value})
     return CheckResult("timeouts.deepspeed_timeout", title, "ok", f"{minutes} min",
                        why=compat.ENV_FACTS["DEEPSPEED_TIMEOUT"], details={"value": value})
@@ -131,8 +132,7 @@ def knobs_result(env: Mapping[str, str]) -> CheckResult:
     names = sorted(k for k in env if k.startswith("TORCH_NCCL_") or k in LEGACY_NAMES)
     if not names:
         return CheckResult("timeouts.torch_nccl", title, "ok", "none set: torch's defaults apply",
-                           why="by default the watchdog tears the process down on a collective "
-                               "timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=3).",
+                           why=knowledge.message("nccl-watchdog-timeout", "watchdog-default").render(),
                            entry="nccl-watchdog-timeout")
     reads = torch_reads(names) or {}
     lines, problems = [], []
@@ -154,38 +154,63 @@ def knobs_result(env: Mapping[str, str]) -> CheckResult:
     found = "; ".join(problems + lines)
     if problems:
         return CheckResult("timeouts.torch_nccl", title, "warn", found,
-                           why="a collective that times out should end the job with a dump, not "
-                               "hang it.",
-                           fix="Unset the flagged variables (or use their TORCH_NCCL_ names).",
-                           entry="nccl-watchdog-timeout", details=details)
+                           why=knowledge.message("nccl-watchdog-timeout", "should-end").render(),
+                           entry="nccl-watchdog-timeout",
+                           **cite(knowledge.fix("nccl-watchdog-timeout", "unset-flagged-knobs"),
+                                  names=" ".join(n for n in names if n in LEGACY_NAMES
+                                                 or n not in TORCH_NCCL_KNOBS
+                                                 or TORCH_NCCL_KNOBS[n][1] == env[n].strip())),
+                           details=details)
     return CheckResult("timeouts.torch_nccl", title, "ok", found, entry="nccl-watchdog-timeout",
                        details=details)
 
 
+def expert_parallel_size(options: DoctorOptions) -> int | None:
+    """The expert-parallel size of the user's setup: --ep-size, else the --config's AutoEP size."""
+    if options.ep_size is not None:
+        return options.ep_size
+    if options.config is None:
+        return None
+    try:
+        config = json.loads(Path(options.config).read_text())
+        section = config.get("expert_parallel") or {}
+        return int(section.get("autoep_size", 1)) if section.get("enabled") else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def subgroup_result(options: DoctorOptions, probes: ProbeSet) -> CheckResult:
-    """Measured: does a group from new_group(ranks) inherit the world group's timeout?"""
+    """Measured: does a group from new_group(ranks) inherit the world group's timeout?
+
+    The probe's world timeout (17 min) is only a marker to tell the two apart; the result warns
+    only when the user's setup has expert groups (--ep-size or a --config with AutoEP above 1).
+    """
     title = "Expert sub-group timeout"
     stage, outcome = probes.stage("subgroup")
     if stage is None or "exception" in stage:
         reason = stage["exception"] if stage else outcome.describe_failure(options.timeout)
         return error_result("timeouts.subgroup", title, f"gloo sub-group probe: {reason}",
-                            why="the probe creates a 1-rank gloo world and a new_group to measure "
-                                "the timeouts.", details={"stderr_tail": outcome.stderr[-2000:]})
+                            why=knowledge.message("subgroup-timeout", "probe").render(),
+                            timeout=options.timeout, details={"stderr_tail": outcome.stderr[-2000:]})
     world, sub = stage["world_timeout_s"], stage["subgroup_timeout_s"]
     nccl = stage.get("nccl_default_s")
-    found = (f"world group created with timeout {world / 60:g} min; new_group(ranks) got "
-             f"{sub / 60:g} min (gloo default {stage['backend_default_s'] / 60:g} min"
-             + (f", NCCL default {nccl / 60:g} min)" if nccl else ")"))
+    defaults = f"gloo {stage['backend_default_s'] / 60:g} min" + (f", NCCL {nccl / 60:g} min" if nccl else "")
     if sub == world:
-        return CheckResult("timeouts.subgroup", title, "ok", found + ": sub-groups inherit it",
+        return CheckResult("timeouts.subgroup", title, "ok",
+                           "new_group(ranks) inherits the world group's timeout on this torch",
                            entry="subgroup-timeout", details=stage)
+    found = (f"on this torch new_group(ranks) takes the backend default ({defaults}), not the world "
+             f"group's timeout")
+    ep = expert_parallel_size(options)
+    details = {**stage, "ep_size": ep}
+    if ep is None or ep <= 1:
+        return CheckResult("timeouts.subgroup", title, "ok",
+                           found + ("; no expert groups in this setup (ep_size 1)" if ep else
+                                    "; matters only with expert parallelism (give --ep-size or --config)"),
+                           entry="subgroup-timeout", details=details)
     return CheckResult(
-        "timeouts.subgroup", title, "warn", found + ": sub-groups do not inherit it",
-        why="deepspeed/utils/groups.py creates the expert-parallel and expert-data-parallel groups "
-            "with new_group(ranks), so raising the world timeout does not protect the expert "
-            "all-to-all: on NCCL it still times out at the backend default.",
-        fix="Use ZeroMoEStrategy(timeout=...): after deepspeed.initialize it sets the timeout on "
-            "every group (lightning_zeromoe/strategy.py apply_timeout_to_all_groups). With plain "
-            "deepspeed, call torch.distributed.distributed_c10d._set_pg_timeout(timeout, group) for "
-            "each expert group yourself (a private torch API, present in 2.13).",
-        entry="subgroup-timeout", details=stage)
+        "timeouts.subgroup", title, "warn", found + f"; with ep_size {ep} the expert all-to-all keeps it",
+        why=knowledge.message("subgroup-timeout", "not-inherited").render(
+            world="the one given to init_process_group", backend="backend's", default=defaults),
+        entry="subgroup-timeout", **cite(knowledge.fix("subgroup-timeout", "use-strategy-timeout")),
+        details=details)

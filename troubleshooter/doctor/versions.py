@@ -18,7 +18,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from lightning_zeromoe import compat
-from troubleshooter.doctor.base import CheckResult, DoctorOptions
+from troubleshooter import knowledge
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite
 
 PROJECT = "lightning-zeromoe"
 #: Packages the training path needs (missing -> fail); transformers is optional (the hf extra).
@@ -62,8 +63,9 @@ def python_result() -> CheckResult:
     return CheckResult(
         "versions.python", "Python", "ok" if good else "fail",
         f"Python {current} at {sys.executable}" + (f" (project requires {wanted})" if wanted else ""),
-        why="lightning-zeromoe and its dependencies are built for the declared Python range.",
-        fix="" if good else f"Use a Python matching {wanted} in a fresh virtual environment.",
+        why=knowledge.message("stack-versions", "python-range").render(),
+        **({} if good else cite(knowledge.fix("stack-versions", "python-in-range"), spec=wanted)),
+        entry=None if good else "stack-versions",
         details={"version": current, "executable": sys.executable, "requires": wanted})
 
 
@@ -85,21 +87,22 @@ def package_result(name: str, spec: SpecifierSet | None, required: bool) -> Chec
         return CheckResult(
             f"versions.{name}", title, "fail" if required else "skip",
             f"{name} is not installed",
-            why=("needed by the ZeRO-3 + AutoEP training path" if required
-                 else "optional: only Hugging Face MoE models need it"),
-            fix=f"pip install '{name}{wanted}'" if required else "", details=details)
+            why=knowledge.message("stack-versions", "required" if required else "optional").render(),
+            **(cite(knowledge.fix("stack-versions", "install-declared"), package=name, spec=wanted)
+               if required else {}),
+            entry="stack-versions" if required else None, details=details)
     if name == "deepspeed" and compat.version_tuple(version) < compat.version_tuple(compat.MIN_DEEPSPEED):
         return CheckResult(
             "versions.deepspeed", title, "fail", f"deepspeed {version}",
-            why=f"ZeRO-3 with expert parallelism needs AutoEP; this project is tested from "
-                f"deepspeed {compat.MIN_DEEPSPEED} on.",
-            fix=f"pip install 'deepspeed>={compat.MIN_DEEPSPEED}'", entry="native-moe-zero3",
-            details=details)
+            why=knowledge.message("stack-versions", "too-old").render(minimum=compat.MIN_DEEPSPEED),
+            **cite(knowledge.fix("stack-versions", "upgrade-deepspeed"), minimum=compat.MIN_DEEPSPEED),
+            entry="stack-versions", details=details)
     if spec and not _satisfies(version, spec):
         return CheckResult(
             f"versions.{name}", title, "warn", f"{name} {version}, outside the declared {wanted}",
-            why="untested combination: lightning-zeromoe declares this range in pyproject.toml.",
-            fix=f"pip install '{name}{wanted}'", details=details)
+            why=knowledge.message("stack-versions", "untested").render(spec=wanted),
+            **cite(knowledge.fix("stack-versions", "install-declared"), package=name, spec=wanted),
+            entry="stack-versions", details=details)
     return CheckResult(f"versions.{name}", title, "ok",
                        f"{name} {version}" + (f" (declared {wanted})" if wanted else ""),
                        details=details)
@@ -117,9 +120,13 @@ def known_bad_result() -> CheckResult:
     combo = bad[0]
     found = "; ".join(f"{c.package} {compat.installed_version(c.package)} with {c.with_package} "
                       f"{compat.installed_version(c.with_package)}" for c in bad)
-    entry = "autoep-transformers-5.23" if combo.id == "transformers-5.23-autoep" else None
+    if combo.id == "transformers-5.23-autoep":
+        advice = {"entry": "autoep-transformers-5.23",
+                  **cite(knowledge.fix("autoep-transformers-5.23", "pin-transformers"))}
+    else:  # a combination with no entry yet: compat's own record says what works
+        advice = {"fix": combo.fix}
     return CheckResult("versions.known_bad", "Known-bad combinations", "fail", found,
-                       why=combo.symptom, fix=combo.fix, entry=entry,
+                       why=combo.symptom, **advice,
                        details={"checked": checked, "matched": [c.id for c in bad]})
 
 
@@ -149,13 +156,12 @@ def native_moe_result() -> CheckResult:
         return CheckResult(
             "versions.native_moe", title, "ok",
             "deepspeed refuses deepspeed.moe.layer.MoE with ZeRO stage 3; AutoEP is present",
-            why="ZeRO-3 + expert parallelism must go through AutoEP (the expert_parallel config "
-                "section), which lightning-zeromoe uses; native MoE layers need ZeRO stage 1/2.",
+            why=knowledge.message("stack-versions", "native-moe-refused").render(),
             entry="native-moe-zero3", details=details)
     return CheckResult(
         "versions.native_moe", title, "warn",
         f"could not confirm in {engine}: refusal found={refuses}, AutoEP present={has_autoep}",
-        why=f"the project's facts were checked against deepspeed "
-            f"{compat.CHECKED_AGAINST['deepspeed']}; this deepspeed differs.",
-        fix=f"pip install 'deepspeed>={compat.MIN_DEEPSPEED}'", entry="native-moe-zero3",
-        details=details)
+        why=knowledge.message("stack-versions", "native-moe-unconfirmed").render(
+            checked=compat.CHECKED_AGAINST["deepspeed"]),
+        **cite(knowledge.fix("stack-versions", "upgrade-deepspeed"), minimum=compat.MIN_DEEPSPEED),
+        entry="native-moe-zero3", details=details)
