@@ -60,16 +60,29 @@ def looks_like_ds_config(value: Any) -> bool:
     return isinstance(value, Mapping) and bool(DS_KEYS & set(map(str, value)))
 
 
+def _strategy_config(strategy: Any, name: str) -> tuple[Mapping, str] | None:
+    """A DeepSpeed strategy's config: ``config`` once setup merged it; before that (empty until
+    ``setup``) ZeroMoEStrategy's ``user_config``, the part the user wrote."""
+    for attr in ("config", "user_config"):
+        value = getattr(strategy, attr, None)
+        if looks_like_ds_config(value):
+            return value, f"{name}.{attr}"
+    return None
+
+
 def _config_of(name: str, value: Any) -> tuple[Mapping, str] | None:
     """(config, label) when ``value`` is a DeepSpeed config, a strategy holding one, or a trainer."""
     if looks_like_ds_config(value):
         return value, name
-    config = getattr(value, "config", None) if not isinstance(value, type) else None
-    if type(value).__name__.endswith("Strategy") and looks_like_ds_config(config):
-        return config, f"{name}.config"
-    strategy = getattr(value, "strategy", None) if type(value).__name__ == "Trainer" else None
-    if strategy is not None and looks_like_ds_config(getattr(strategy, "config", None)):
-        return strategy.config, f"{name}.strategy.config"
+    if isinstance(value, type):
+        return None
+    try:
+        if type(value).__name__.endswith("Strategy"):
+            return _strategy_config(value, name)
+        if type(value).__name__ == "Trainer":
+            return _strategy_config(getattr(value, "strategy", None), f"{name}.strategy")
+    except Exception:  # noqa: BLE001 - a property of a user object may raise; it is just not a config
+        return None
     return None
 
 

@@ -119,7 +119,13 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
                                        "    x = checkpoint(layer, x, use_reentrant=False)\n", "model.py"),
                      _ladder_try(1, 2))
     if host:
-        offload_param = {"zero_optimization": {"offload_param": None}}
+        offloaded = [k for k in ("offload_param", "offload_optimizer") if zero.get(k)]
+        offload_less = {"zero_optimization": {offloaded[0]: None}} if offloaded else {}
+
+        def offload_diff() -> str:
+            if not offloaded:
+                return f"(nothing to change: {label} offloads nothing to host memory)"
+            return config_diff(config, offload_less, label)
         steps = [
             Step("Confirm it is host RAM", "cpu-oom", ("confirm-check-dmesg-grep",), "Check host memory",
                  lambda: doctor_check("host"),
@@ -132,9 +138,9 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
                                    "import deepspeed\n\nwith deepspeed.zero.Init(config_dict_or_path=ds_config):\n"
                                    "    model = AutoModelForCausalLM.from_pretrained(name)\n"),
                  try_unavailable="Loading a pretrained model partitioned needs several ranks and the model's weights."),
-            Step("Keep less on the host", "cpu-oom", ("reduce-what-offload-keeps",), "Lint without parameter offload",
-                 lambda: lint_check(merge_patch(config, offload_param), world_size, f"{label}, patched"),
-                 lambda: config_diff(config, offload_param, label),
+            Step("Keep less on the host", "cpu-oom", ("reduce-what-offload-keeps",), "Lint the config",
+                 lambda: lint_check(merge_patch(config, offload_less), world_size, f"{label}, patched"),
+                 offload_diff,
                  try_unavailable="Offload needs a GPU to offload from."),
             micro_step, ckpt_step,
         ]
