@@ -4,8 +4,10 @@ Why our own CSS: JupyterLab right-aligns table cells in rendered HTML (``.jp-Ren
 td { text-align: right }``), and a ``<pre>`` diff inside such a cell inherits it, which destroys
 the JSON indentation; ipywidgets' HTML widget sets a 28 px line height (one widget row) that
 double-spaces wrapped text. Every rule here is under the ``tsh`` class (a ``div.tsh`` wrapper, or
-``add_class("tsh")`` on a widget), so nothing outside our output changes. The selectors are one
-element more specific than JupyterLab's, so they win without ``!important``.
+``add_class("tsh")`` on a widget), so nothing outside our output changes. JupyterLab's cell rule
+is ``:not(.jp-RenderedMarkdown).jp-RenderedHTMLCommon td`` (two classes and an element); ours
+name the class twice (``div.tsh.tsh table td``: two classes, three elements), so they win
+without ``!important``. ``tests/test_browser.py`` checks the computed styles in JupyterLab.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ __all__ = ["CSS", "figure_png", "img_tag", "scoped"]
 
 CSS = """<style>
 div.tsh, div.tsh div, div.tsh p, div.tsh li { text-align: left; line-height: 1.45; }
-div.tsh .widget-html-content, div.tsh .widget-html { line-height: 1.45; }
-div.tsh table { border-collapse: collapse; margin: 4px 0; width: auto; }
-div.tsh table th, div.tsh table td { text-align: left; vertical-align: top; padding: 3px 10px;
+div.tsh .widget-html-content, div.tsh .jupyter-widget-html-content { line-height: 1.45; }
+div.tsh.tsh table { border-collapse: collapse; margin: 4px 0; width: auto; }
+div.tsh.tsh table th, div.tsh.tsh table td, div.tsh.tsh table tr { text-align: left; vertical-align: top; padding: 3px 10px;
   line-height: 1.45; white-space: normal; border-bottom: 1px solid #e0e0e0; }
-div.tsh table th { font-weight: 600; background: #f3f3f3; border-bottom: 2px solid #bdbdbd; }
+div.tsh.tsh table th { font-weight: 600; background: #f3f3f3; border-bottom: 2px solid #bdbdbd; }
 div.tsh pre.tsh-diff { text-align: left; white-space: pre; font-family: var(--jp-code-font-family, monospace);
   font-size: 12px; line-height: 1.35; background: #f7f7f7; padding: 4px 8px; margin: 4px 0; overflow-x: auto; }
 div.tsh details > summary { cursor: pointer; }
