@@ -4,8 +4,12 @@ On CPU (this machine) the training step runs in a child process whose address sp
 with ``resource.setrlimit(RLIMIT_AS)`` (field notes item 9): the kernel refuses the allocation,
 and torch's ``DefaultCPUAllocator`` raises ``RuntimeError: ... can't allocate memory`` (or
 ``std::bad_alloc`` from a C++ container) exactly as on a machine that is really full. The limit is
-``budget_mb`` above what the process holds once the model is built (see ``_oom_child``), and the
-peak reported per rung is the address-space growth (``VmPeak``) that the limit is compared with.
+``budget_mb`` above what the process holds once the model is built (see ``_oom_child``).
+
+Every rung is measured the same way, twice, in forks of one child: without the limit (``needs_mb``,
+the address-space growth ``VmPeak`` the limit is compared with, and the step's loss) and under it
+(fits, or the allocator's error). A peak taken under the limit alone says only where the process
+died, so it is never compared with anything.
 
 The ladder is the order the knowledge base gives for OOM (entry ``cuda-oom``, fix steps in order):
 
@@ -15,7 +19,7 @@ The ladder is the order the knowledge base gives for OOM (entry ``cuda-oom``, fi
 4. ZeRO stage up - needs several data-parallel ranks, so it is only *proposed* here;
 5. offload - last, and also only proposed.
 
-The walk stops at the first rung that fits. On CUDA, ``device="cuda"`` caps the process with
+A rung that does not fit says so and names the next rung. On CUDA, ``device="cuda"`` caps the process with
 ``torch.cuda.set_per_process_memory_fraction`` instead and reads ``torch.cuda.max_memory_allocated``;
 that path cannot run on this CPU-only machine and is untested here.
 """

@@ -37,11 +37,14 @@ def esc(text: Any) -> str:
 
 
 def fmt(value: Any) -> str:
-    """A number as people read it: 3 decimals below 100, one above (no 4.860217332839966)."""
+    """A number as people read it: one decimal when it has no more (MiB, seconds), else 3 decimals
+    below 100 and one above (never 4.860217332839966)."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 100 else f"{value:,.1f}"
+        if value == round(value, 1) or abs(value) >= 100:
+            return f"{value:,.1f}"
+        return f"{value:.3f}"
     return str(value)
 
 

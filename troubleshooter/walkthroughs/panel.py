@@ -44,7 +44,7 @@ class DiagnosisPanel(W.VBox):
         self.button = W.Button(description=f"Open the walkthrough: {self.walkthrough_title}"
                                if self.walkthrough_title else "No walkthrough for this problem",
                                icon="life-ring", disabled=self.walkthrough_title is None,
-                               layout=W.Layout(width="auto"))
+                               layout=W.Layout(width="auto", align_self="flex-start"))
         self.button.on_click(lambda _b: self.open_walkthrough())
         super().__init__([self.summary, self.button])
         self.add_class("tsh")
