@@ -39,4 +39,24 @@ if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); t
   DS_ACCELERATOR=cpu .venv/bin/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" \
     2>&1 | grep -v "^\[" || true
 fi
+# The browser tests drive the system Chromium (Playwright cannot download its own browsers here).
+if [ "${1:-}" = "test" ]; then
+  if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
+    echo "setup: chromium already installed"
+  elif command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing chromium (apt) for the browser tests"
+    export DEBIAN_FRONTEND=noninteractive
+    ok=0
+    for attempt in 1 2 3; do
+      if apt-get update -qq >/tmp/setup-apt.log 2>&1 \
+         && apt-get install -y -qq --no-install-recommends chromium >>/tmp/setup-apt.log 2>&1; then
+        ok=1; break
+      fi
+      echo "setup: apt attempt $attempt failed; retrying"; sleep 5
+    done
+    [ "$ok" = 1 ] || { tail -20 /tmp/setup-apt.log; echo "setup: could not install chromium"; exit 1; }
+  else
+    echo "setup: chromium missing and apt-get not usable (not root?): install chromium for tests/test_browser.py"
+  fi
+fi
 echo "setup: done ($(.venv/bin/python -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("torch", "deepspeed", "lightning")))'))"

@@ -41,7 +41,8 @@ def snapshot(shell: InteractiveShell) -> dict:
     manager = shell.magics_manager
     return {"magics": {kind: dict(table) for kind, table in manager.magics.items()},
             "registry": dict(manager.registry),
-            "callbacks": {event: list(cbs) for event, cbs in shell.events.callbacks.items()}}
+            "callbacks": {event: list(cbs) for event, cbs in shell.events.callbacks.items()},
+            "transformers": list(shell.input_transformers_cleanup)}
 
 
 def ipython() -> InteractiveShell:
@@ -122,7 +123,10 @@ def test_doctor_magic_shows_a_table_with_the_fix_of_each_problem(shell, monkeypa
     html = out.data["text/html"]
     assert "troubleshooter doctor" in html and "Host RAM" in html
     row = html.split("DS_BUILD_OPS / DS_BUILD_*")[1].split("</tr>")[0]
-    assert "DS_BUILD_OPS=0 does not skip compilation" in row and "<b>fix</b>" in row
+    assert "DS_BUILD_OPS=0 does not skip compilation" in row and "<b>Fix</b>" in row
+    # the summary first, the problems next, the checks that passed folded away
+    assert html.index("troubleshooter doctor: ") < html.index("DS_BUILD_OPS") < html.index("<details")
+    assert "Host RAM" in html.split("<details")[1]
     assert "ds-build-ops-meaning" in row
     assert "[WARN] DS_BUILD_OPS" in out.data["text/plain"]
 
@@ -167,11 +171,11 @@ def test_failed_cell_gets_a_diagnosis_panel_and_keeps_its_exception(shell):
     assert "bytearray(1 << 62)" in shown and "RAISED = err" in shown and "MemoryError" in shown
     [panel_text] = panels_in(cap.outputs)
     assert "Host (CPU) memory exhausted [cpu-oom]" in panel_text
-    assert "first fix:" in panel_text and "walkthrough: oom" in panel_text
+    assert "first thing to do:" in panel_text and "walkthrough: Out of memory (host RAM)" in panel_text
     panel = ext.state_of(shell).panels[-1]
     assert panel.walkthrough is None
     panel.button.click()
-    assert panel.walkthrough is not None and panel.walkthrough.title == "Out of memory"
+    assert panel.walkthrough is not None and panel.walkthrough.title == "Out of memory (host RAM)"
     assert panel.walkthrough in panel.children and panel.button.disabled
 
 
@@ -185,13 +189,78 @@ def test_unknown_errors_get_no_panel(shell):
 
 def test_troubleshoot_cell_magic_diagnoses_opens_walkthrough_and_reraises(shell):
     with capture_output() as cap:
-        result = shell.run_cell("%%troubleshoot\n" + OOM_CELL)
+        result = shell.run_cell("%%troubleshoot\n" + OOM_CELL, store_history=True)
     assert result.error_in_exec is shell.user_ns["RAISED"]
     assert "bytearray(1 << 62)" in clean(cap.stdout) and "MemoryError" in clean(cap.stdout)
     [panel_text] = panels_in(cap.outputs)  # the full panel once; the automatic one is not repeated
     assert "1. Confirm it:" in panel_text  # every fix step, numbered
     panel = ext.state_of(shell).panels[-1]
     assert panel.full and panel.walkthrough is not None  # opened without a click
+
+
+def _traceback(shell, cell: str) -> tuple[int, str]:
+    with capture_output() as cap:
+        result = shell.run_cell(cell, store_history=True)
+    return result.execution_count, clean(cap.stdout)
+
+
+def test_troubleshoot_leaves_the_traceback_exactly_as_ipython_prints_it(shell):
+    """Same code with and without the magic: the same frames and lines, the right Cell In[n], no
+    frame of the extension. The magic line is blanked (line numbers stay the cell's own), so the
+    plain cell has a line of its own there too."""
+    shell.colors = "nocolor"
+    code = "def allocate():\n    return bytearray(1 << 62)\nallocate()\n"
+    plain_n, plain = _traceback(shell, "pass\n" + code)  # one line in place of the magic line
+    magic_n, magic = _traceback(shell, "%%troubleshoot\n" + code)
+    assert f"Cell In[{plain_n}], line 4" in plain and f"Cell In[{magic_n}], line 4" in magic
+    assert magic.replace(f"In[{magic_n}]", "In[N]") == plain.replace(f"In[{plain_n}]", "In[N]")
+    assert "exec(compile" not in magic and "troubleshooter" not in magic.split("MemoryError")[0]
+
+
+def test_the_walkthrough_patches_the_config_the_failing_cell_used(shell):
+    shell.user_ns["my_ds"] = {"train_micro_batch_size_per_gpu": 6, "zero_optimization": {"stage": 2}}
+    with capture_output():
+        shell.run_cell("%%troubleshoot\nconfig = my_ds\n" + OOM_CELL, store_history=True)
+    walk = ext.state_of(shell).panels[-1].walkthrough
+    assert walk.context.config_label in ("config", "my_ds") and walk.context.config["zero_optimization"]["stage"] == 2
+    assert "Your config" in walk.header.value
+    walk.go(3)  # micro-batch down: a diff of the user's own dict
+    assert f"a/{walk.context.config_label}" in walk.patch_view.value
+
+
+def test_the_walkthrough_patches_the_strategy_config_of_the_failing_cell(shell):
+    """A real ZeroMoEStrategy used by the failing cell: the walkthrough works on its config. (A
+    Trainer holding it cannot be built in an interactive shell: Lightning refuses strategies that
+    launch processes there, so the strategy object is what a notebook holds.)"""
+    from lightning_zeromoe import ZeroMoEStrategy
+
+    strategy = ZeroMoEStrategy(ep_size=1, config={"train_micro_batch_size_per_gpu": 4,
+                                                  "zero_optimization": {"stage": 3}})
+    shell.user_ns["strategy"] = strategy
+    shell.user_ns["unrelated"] = {"train_batch_size": 8}  # held by the notebook, not used by the cell
+    with capture_output():
+        shell.run_cell("%%troubleshoot\nassert strategy\n" + OOM_CELL, store_history=True)
+    walk = ext.state_of(shell).panels[-1].walkthrough
+    # before setup, strategy.config is empty and user_config holds what the user wrote
+    assert walk.context.config_label == "strategy.user_config"
+    assert walk.context.config is strategy.user_config
+    walk.go(3)
+    assert "a/strategy.user_config" in walk.patch_view.value
+    strategy.config = {**strategy.user_config, "train_batch_size": 4}  # what setup leaves there
+    with capture_output():
+        shell.run_cell("%%troubleshoot\nassert strategy\n" + OOM_CELL, store_history=True)
+    assert ext.state_of(shell).panels[-1].walkthrough.context.config_label == "strategy.config"
+
+
+def test_without_a_config_the_walkthrough_says_it_shows_an_example(shell):
+    from troubleshooter.walkthroughs.context import config_in
+
+    for name in [n for n in shell.user_ns if config_in({n: shell.user_ns[n]})]:  # left by other tests
+        del shell.user_ns[name]
+    with capture_output():
+        shell.run_cell("%%troubleshoot\n" + OOM_CELL, store_history=True)
+    walk = ext.state_of(shell).panels[-1].walkthrough
+    assert not walk.context.has_config and "example" in walk.header.value
 
 
 def test_troubleshoot_cell_magic_returns_the_last_value_when_nothing_fails(shell):

@@ -27,6 +27,8 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 EXPECTED = {"01_doctor.ipynb", "02_out_of_memory.ipynb", "03_router_collapse.ipynb", "04_train_with_zeromoe.ipynb"}
 TIMEOUT = 900
+#: Notebooks that must show a plot (as an image, not a repr).
+PLOTS = {"02_out_of_memory.ipynb", "03_router_collapse.ipynb", "04_train_with_zeromoe.ipynb"}
 
 #: Executes one notebook (argv: source, destination) and saves it with its outputs; exit 1 on error.
 RUNNER = """
@@ -91,6 +93,13 @@ def test_notebook_runs_top_to_bottom(executed, name):
     # Only the tagged cells may show an error, and each of them must (they demonstrate a failure).
     assert len(errors) == len(tagged), [e.get("ename") for e in errors]
     print(f"{name}: {nb.metadata['executed_seconds']:.1f} s")
+    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+             if o.output_type in ("execute_result", "display_data")]
+    raw = [o.data["text/plain"] for o in shown if set(o.data) == {"text/plain"}
+           and o.data["text/plain"].startswith(("<Figure size", "<matplotlib."))]
+    assert not raw, f"{name} shows a figure as text: {raw}"
+    if name in PLOTS:
+        assert any("image/png" in o.data for o in shown), f"{name} shows no plot"
     if name == "01_doctor.ipynb":
         shown = [o for c in tagged for o in c.outputs if o.output_type == "display_data"]
         assert any("troubleshooter: Host (CPU) memory exhausted" in o.data.get("text/plain", "") for o in shown)

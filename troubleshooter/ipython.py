@@ -7,9 +7,13 @@ What loading registers, and why each piece is built the way it is:
   that did not pass.
 * ``%ds_lint CONFIG [--world-size N]``: lint a DeepSpeed config given as a path, or as the name of
   a dict in the user namespace; each finding's JSON merge patch is shown as a diff of the config.
-* ``%%troubleshoot``: run the cell; on an exception, show the knowledge-base diagnosis and open
-  the matching walkthrough, then re-raise the *same* exception object, so IPython prints the
-  original traceback and ``ExecutionResult.error_in_exec`` is the user's exception.
+* ``%%troubleshoot``: run the cell; on an exception, show the full knowledge-base diagnosis and
+  open the matching walkthrough below the traceback. An input transformer blanks the magic line,
+  so IPython itself runs the cell: the traceback is the one IPython prints without the magic
+  (right ``Cell In[n]``, no frame of ours) and ``error_in_exec`` is the user's exception.
+* The walkthrough works on the user's own config when the failing cell used one (a dict, a
+  ``ZeroMoEStrategy``'s ``config``, a Trainer's ``strategy.config``) or ``%ds_lint`` linted one
+  (:mod:`troubleshooter.walkthroughs.context`); otherwise it says it shows an example.
 * Automatic diagnosis after any failing cell, through IPython's ``post_run_cell`` event. Not
   ``set_custom_exc``: that slot holds one handler per shell and other extensions (jupyter-ai)
   use it; an event callback only *reads* ``result.error_in_exec`` after IPython has already shown
@@ -67,47 +71,59 @@ def _esc(text: Any) -> str:
     return html.escape(str(text))
 
 
-def doctor_report(results: list) -> Report:
-    """The doctor's results as a table; every warn/fail/error row carries its fix and entry."""
+def _doctor_row(r: Any) -> str:
     from troubleshooter import knowledge
+
+    icon, colour = _STATUS_LOOK.get(r.status, ("?", "#000"))
+    todo = []
+    if r.status in ("warn", "fail", "error"):
+        if r.why:
+            todo.append(f"<div><b>Why</b>: {_esc(r.why)}</div>")
+        if r.fix:
+            todo.append(f"<div><b>Fix</b>: {_esc(r.fix)}</div>")
+        if r.entry:
+            try:
+                title = knowledge.get(r.entry).title
+            except KeyError:
+                title = r.entry
+            todo.append(f"<div class='tsh-muted'>Knowledge base: {_esc(title)} <code>{_esc(r.entry)}</code></div>")
+    found = f"<div>{_esc(r.found)}</div>" + "".join(todo)
+    return (f"<tr><td style='color:{colour};font-weight:bold;white-space:nowrap'>{icon} {_esc(r.status)}</td>"
+            f"<td>{_esc(r.title)}</td><td>{found}</td></tr>")
+
+
+def doctor_report(results: list) -> Report:
+    """The doctor's results: the summary first, then the problems (fail, error, warn) with their fix
+    and entry, and the checks that passed or were skipped folded away under one line."""
+    from troubleshooter.notebook_css import scoped
     from troubleshooter.doctor import report
 
-    rows = []
-    for r in results:
-        icon, colour = _STATUS_LOOK.get(r.status, ("?", "#000"))
-        todo = ""
-        if r.status in ("warn", "fail", "error"):
-            parts = []
-            if r.why:
-                parts.append(f"<div><b>why</b> {_esc(r.why)}</div>")
-            if r.fix:
-                parts.append(f"<div><b>fix</b> {_esc(r.fix)}</div>")
-            if r.entry:
-                try:
-                    title = knowledge.get(r.entry).title
-                except KeyError:
-                    title = r.entry
-                parts.append(f"<div style='color:#555'>knowledge entry <code>{_esc(r.entry)}</code>: "
-                             f"{_esc(title)}</div>")
-            todo = "".join(parts)
-        rows.append(f"<tr><td style='color:{colour};font-weight:bold'>{icon} {_esc(r.status)}</td>"
-                    f"<td>{_esc(r.title)}</td><td>{_esc(r.found)}</td><td>{todo}</td></tr>")
+    order = {"fail": 0, "error": 1, "warn": 2}
+    problems = sorted((r for r in results if r.status in order), key=lambda r: order[r.status])
+    rest = [r for r in results if r.status not in order]
     s = report.summary(results)
     summary = (f"{s['ok']} ok, {s['warn']} warn, {s['fail']} fail, {s['error']} error, "
                f"{s['skip']} skipped")
-    table = ("<div class='troubleshooter-doctor'><b>troubleshooter doctor</b>"
-             "<table><thead><tr><th>status</th><th>check</th><th>found</th><th>what to do</th></tr></thead>"
-             f"<tbody>{''.join(rows)}</tbody></table><div><b>{_esc(summary)}</b></div></div>")
-    return Report(report.render_plain(results), table, results)
+    head = "<thead><tr><th>status</th><th>check</th><th>found, and what to do</th></tr></thead>"
+    parts = [f"<div class='troubleshooter-doctor'><b>troubleshooter doctor: {_esc(summary)}</b>"]
+    if problems:
+        parts.append(f"<table class='tsh-problems'>{head}<tbody>{''.join(map(_doctor_row, problems))}</tbody></table>")
+    else:
+        parts.append("<div>✔ no problems found</div>")
+    if rest:
+        parts.append(f"<details class='tsh-passed'><summary>{len(rest)} checks passed or skipped (show)</summary>"
+                     f"<table>{head}<tbody>{''.join(map(_doctor_row, rest))}</tbody></table></details>")
+    return Report(report.render_plain(results), scoped("".join(parts) + "</div>"), results)
 
 
 def lint_report(findings: list, config: Mapping | None, source: str) -> Report:
     """Lint findings as a table; a finding with a JSON merge patch shows the config diff it makes."""
-    from troubleshooter.widgets import config_diff, diff_html
+    from troubleshooter.notebook_css import scoped
+    from troubleshooter.walkthroughs.diffs import config_diff, diff_html
 
     if not findings:
         plain = f"{source}: no problems found"
-        return Report(plain, f"<div class='troubleshooter-lint'>✔ {_esc(plain)}</div>", findings)
+        return Report(plain, scoped(f"<div class='troubleshooter-lint'>✔ {_esc(plain)}</div>"), findings)
     lines, rows = [], []
     for f in findings:
         icon, colour = _SEVERITY_LOOK.get(f.severity, ("?", "#000"))
@@ -119,12 +135,12 @@ def lint_report(findings: list, config: Mapping | None, source: str) -> Report:
             diff = diff_html(text)
         rows.append(f"<tr><td style='color:{colour};font-weight:bold'>{icon} {_esc(f.severity)}</td>"
                     f"<td><code>{_esc(f.path or '<config>')}</code></td><td>{_esc(f.message)}"
-                    f"<div><b>fix</b> {_esc(f.fix)}</div>{diff}</td><td><code>{_esc(f.rule)}</code></td></tr>")
+                    f"<div><b>Fix</b>: {_esc(f.fix)}</div>{diff}</td><td><code>{_esc(f.rule)}</code></td></tr>")
     errors = sum(f.severity == "error" for f in findings)
     head = f"{source}: {len(findings)} finding(s), {errors} error(s)"
-    table = (f"<div class='troubleshooter-lint'><b>{_esc(head)}</b><table><thead><tr><th>severity</th>"
-             "<th>key</th><th>problem and fix</th><th>entry</th></tr></thead>"
-             f"<tbody>{''.join(rows)}</tbody></table></div>")
+    table = scoped(f"<div class='troubleshooter-lint'><b>{_esc(head)}</b><table><thead><tr><th>severity</th>"
+                   "<th>key</th><th>problem and fix</th><th>entry</th></tr></thead>"
+                   f"<tbody>{''.join(rows)}</tbody></table></div>")
     return Report(head + "\n" + "\n".join(lines), table, findings)
 
 
@@ -165,6 +181,8 @@ class _State:
     panels: list = field(default_factory=list)  # diagnosis panels shown (newest last)
     handled: set[int] = field(default_factory=set)  # id() of exceptions %%troubleshoot diagnosed
     auto: bool = True
+    linted: tuple[str, Mapping] | None = None  # the last %ds_lint target: (label, config)
+    transformer: Any = None  # the input transformer that hands %%troubleshoot cells to IPython
 
 
 _STATES: dict[int, _State] = {}
@@ -258,11 +276,21 @@ class TroubleshooterMagics(Magics):
                 findings = lint_config(config, world_size=args.world_size, source=source)
         except LintInputError as err:
             raise UsageError(f"%ds_lint: {err}") from None
+        state = state_of(self.shell)
+        if state is not None:  # a walkthrough after a later failure patches this config
+            state.linted = (source, config)
         display(lint_report(findings, config, source))
 
     @cell_magic
     def troubleshoot(self, line: str, cell: str) -> Any:
-        """Run the cell. On an exception: show the diagnosis, open the walkthrough, re-raise it."""
+        """Run the cell; on an exception show the full diagnosis and walkthrough below its traceback.
+
+        In a notebook this body never runs: :func:`troubleshoot_transformer` blanks the
+        ``%%troubleshoot`` line before IPython compiles the cell, so IPython runs the user's code
+        itself (its traceback is exactly the one it prints without the magic: the right
+        ``Cell In[n]``, no frame of ours) and ``post_run_cell`` shows the full panel after it.
+        This body serves direct calls (``get_ipython().run_cell_magic("troubleshoot", "", code)``).
+        """
         shell = self.shell
         cell = shell.transform_cell(cell)  # IPython syntax (%magics, !shell) inside the cell still works
         filename = shell.compile.cache(cell, shell.execution_count)
@@ -278,11 +306,35 @@ class TroubleshooterMagics(Magics):
             state = state_of(shell)
             if state is not None:
                 state.handled.add(id(err))
-            _show_diagnosis(shell, err, full=True)
-            raise  # the same object, with its traceback: IPython shows it as if no magic were involved
+            _show_diagnosis(shell, err, full=True, cell=cell)
+            raise  # the same object, with its traceback
 
 
-def _show_diagnosis(shell: Any, err: BaseException, *, full: bool) -> Any:
+_MAGIC_LINE = "%%troubleshoot"
+
+
+def troubleshoot_transformer(lines: list[str]) -> list[str]:
+    """IPython input transformer: a cell whose first line is ``%%troubleshoot`` runs as itself.
+
+    The magic line becomes an empty line, so line numbers stay those of the cell as the user sees
+    it; ``post_run_cell`` recognises the cell by its raw text and shows the full diagnosis.
+    """
+    if lines and lines[0].strip() == _MAGIC_LINE:
+        return ["\n", *lines[1:]]
+    return lines
+
+
+def _context(shell: Any, err: BaseException, cell: str, entry_id: str) -> Any:
+    """The user's config (named in the failing cell, linted, or held by the notebook) and error."""
+    from troubleshooter.walkthroughs.context import UserContext, config_in
+
+    state = state_of(shell)
+    found = config_in(shell.user_ns, cell, state.linted if state else None)
+    return UserContext(config=found[0] if found else None, config_label=found[1] if found else "",
+                       error_text=exception_text(err), entry_id=entry_id)
+
+
+def _show_diagnosis(shell: Any, err: BaseException, *, full: bool, cell: str = "") -> Any:
     """Display a diagnosis panel for ``err``; return it (None when nothing is known about it).
 
     Any failure in here is reported as one line and never propagates: the user's exception is
@@ -297,9 +349,9 @@ def _show_diagnosis(shell: Any, err: BaseException, *, full: bool) -> Any:
                 print("troubleshooter: no known problem matches this error "
                       "(python -m troubleshooter explain LOG also reads log files).")
             return None
-        from troubleshooter.widgets import DiagnosisPanel
+        from troubleshooter.walkthroughs import DiagnosisPanel
 
-        panel = DiagnosisPanel(diagnoses, full=full)
+        panel = DiagnosisPanel(diagnoses, full=full, context=_context(shell, err, cell, diagnoses[0].entry_id))
         state = state_of(shell)
         if state is not None:
             state.panels.append(panel)
@@ -319,10 +371,11 @@ def _post_run_cell(shell: Any):
         err = getattr(result, "error_in_exec", None)
         if state is None or not state.auto or err is None or not isinstance(err, Exception):
             return
-        if id(err) in state.handled:  # %%troubleshoot has shown the full diagnosis already
+        if id(err) in state.handled:  # a direct %%troubleshoot call has shown the full diagnosis
             state.handled.discard(id(err))
             return
-        _show_diagnosis(shell, err, full=False)
+        raw = getattr(getattr(result, "info", None), "raw_cell", None) or ""
+        _show_diagnosis(shell, err, full=raw.lstrip().startswith(_MAGIC_LINE), cell=raw)
 
     return post_run_cell
 
@@ -339,7 +392,11 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magics)
     callback = _post_run_cell(ipython)
     ipython.events.register("post_run_cell", callback)
-    _STATES[id(ipython)] = _State(magics, callback, replaced, previous_registry)
+    transformers = getattr(ipython, "input_transformers_cleanup", None)
+    if transformers is not None:
+        transformers.append(troubleshoot_transformer)
+    _STATES[id(ipython)] = _State(magics, callback, replaced, previous_registry,
+                                  transformer=troubleshoot_transformer if transformers is not None else None)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
@@ -351,6 +408,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         ipython.events.unregister("post_run_cell", state.callback)
     except ValueError:
         pass
+    transformers = getattr(ipython, "input_transformers_cleanup", [])
+    if state.transformer in transformers:
+        transformers.remove(state.transformer)
     manager = ipython.magics_manager
     for kind, names in state.magics.magics.items():
         table, previous = manager.magics[kind], state.replaced.get(kind, {})

@@ -11,8 +11,11 @@ import json
 import os
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from troubleshooter.notebook_css import scoped
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,16 +54,31 @@ def run_child(argv: list[str], *, timeout: float, env: dict[str, str] | None = N
 
 
 def html_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A small HTML table for a result's ``_repr_html_``."""
+    """A small HTML table for a result's ``_repr_html_``, left-aligned in our own scoped style."""
     import html
 
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return scoped(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
 def new_figure(width: float = 6.0, height: float = 3.2):
-    """A matplotlib Figure that is not registered with pyplot (no global state, no GUI)."""
+    """A matplotlib Figure that is not registered with pyplot (no global state, no GUI), and that
+    a notebook shows as an image: a figure built without pyplot has no display hook, so a plain
+    ``Figure`` prints as ``<Figure size 650x340 with 1 Axes>``; this one has ``_repr_png_``."""
+    return _inline_figure_class()(figsize=(width, height), layout="constrained")
+
+
+@lru_cache(maxsize=1)
+def _inline_figure_class() -> type:
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width, height), layout="constrained")
+    from troubleshooter.notebook_css import figure_png
+
+    class InlineFigure(Figure):
+        """A Figure that IPython displays as PNG."""
+
+        def _repr_png_(self) -> bytes:
+            return figure_png(self)
+
+    return InlineFigure

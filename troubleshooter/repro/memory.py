@@ -4,8 +4,12 @@ On CPU (this machine) the training step runs in a child process whose address sp
 with ``resource.setrlimit(RLIMIT_AS)`` (field notes item 9): the kernel refuses the allocation,
 and torch's ``DefaultCPUAllocator`` raises ``RuntimeError: ... can't allocate memory`` (or
 ``std::bad_alloc`` from a C++ container) exactly as on a machine that is really full. The limit is
-``budget_mb`` above what the process holds once the model is built (see ``_oom_child``), and the
-peak reported per rung is the address-space growth (``VmPeak``) that the limit is compared with.
+``budget_mb`` above what the process holds once the model is built (see ``_oom_child``).
+
+Every rung is measured the same way, twice, in forks of one child: without the limit (``needs_mb``,
+the address-space growth ``VmPeak`` the limit is compared with, and the step's loss) and under it
+(fits, or the allocator's error). A peak taken under the limit alone says only where the process
+died, so it is never compared with anything.
 
 The ladder is the order the knowledge base gives for OOM (entry ``cuda-oom``, fix steps in order):
 
@@ -15,7 +19,7 @@ The ladder is the order the knowledge base gives for OOM (entry ``cuda-oom``, fi
 4. ZeRO stage up - needs several data-parallel ranks, so it is only *proposed* here;
 5. offload - last, and also only proposed.
 
-The walk stops at the first rung that fits. On CUDA, ``device="cuda"`` caps the process with
+A rung that does not fit says so and names the next rung. On CUDA, ``device="cuda"`` caps the process with
 ``torch.cuda.set_per_process_memory_fraction`` instead and reads ``torch.cuda.max_memory_allocated``;
 that path cannot run on this CPU-only machine and is untested here.
 """
@@ -36,39 +40,58 @@ MICRO_BATCH = 16
 #: What the training step may add to the process's address space, in MiB.
 BUDGET_MB = 32
 
-#: (rung name, what changes, knowledge-base fix step of entry cuda-oom it implements)
+#: (rung name, what changes, knowledge-base fix of entry cuda-oom it implements)
 OOM_LADDER = (
-    ("measure", "no change: measure the step without a limit", 0),
-    ("micro-batch down, accumulation up", "micro-batch / 2, gradient accumulation x 2", 2),
-    ("activation checkpointing", "recompute each layer in backward", 3),
-    ("ZeRO stage up", "partition states over more ranks (needs >= 2 data-parallel ranks)", 4),
-    ("offload", "optimizer states to host memory, last", 5),
+    ("measure", "no change: the step as it is", "measure"),
+    ("micro-batch down, accumulation up", "micro-batch / 2, gradient accumulation x 2", "lower-train-micro-batch"),
+    ("activation checkpointing", "recompute each layer in backward", "turn-activation-checkpointing-model"),
+    ("ZeRO stage up", "partition states over more ranks (needs >= 2 data-parallel ranks)", "move-up-zero-stage"),
+    ("offload", "optimizer states to host memory, last", "offload-optimizer-states-offload"),
 )
 
 
 @dataclass(frozen=True)
 class Rung:
-    """One rung of the ladder as it ran (or was only proposed: ``ran`` False)."""
+    """One rung of the ladder, measured twice the same way: without a limit (``needs_mb``: what
+    the step really needs, and its loss) and under the limit (``fits``; ``stopped_mb``: the peak
+    reached, which for an OOM is where the failed allocation stopped it). ``ran`` False: only
+    proposed (ZeRO and offload need several ranks or a GPU)."""
 
     name: str
     change: str
     micro_batch: int
     accumulation: int
     checkpointing: bool
-    limited: bool
     ran: bool
-    ok: bool = False
+    needs_mb: float | None = None
+    loss: float | None = None
+    fits: bool = False
     oom: bool = False
     error: str | None = None
-    peak_vm_mb: float | None = None
-    peak_rss_mb: float | None = None
+    stopped_mb: float | None = None
     seconds: float | None = None
-    loss: float | None = None
+
+    @property
+    def batch(self) -> str:
+        return f"{self.micro_batch} x {self.accumulation}"
+
+
+def rung_from_records(name: str, free: dict[str, Any], limited: dict[str, Any]) -> Rung:
+    """A :class:`Rung` from the child's two records of the same settings (no limit, limited)."""
+    changes = {n: change for n, change, _ in OOM_LADDER}
+    if not free.get("ok"):
+        raise RuntimeError(f"rung {name!r} failed without a memory limit: {free.get('error')}")
+    return Rung(name=name, change=changes.get(name, ""), micro_batch=free["micro_batch"],
+                accumulation=free["accumulation"], checkpointing=free["checkpointing"], ran=True,
+                needs_mb=round(free["peak_vm_mb"], 1), loss=round(free["loss"], 4), fits=bool(limited["ok"]),
+                oom=bool(limited["oom"]), error=limited.get("error"),
+                stopped_mb=round(limited["peak_vm_mb"], 1) if limited.get("peak_vm_mb") is not None else None,
+                seconds=round(free["seconds"], 2))
 
 
 @dataclass
 class OOMResult:
-    """The rungs in order; ``raised`` says the baseline really hit the limit, ``fitted`` where it fit."""
+    """The rungs in order; ``raised``: the baseline really hit the limit; ``fitted``: the first that fits."""
 
     budget_mb: float
     device: str
@@ -76,35 +99,38 @@ class OOMResult:
 
     @property
     def baseline(self) -> Rung:
-        return next(r for r in self.rungs if r.name == "measure")
+        return self.rungs[0]
 
     @property
     def raised(self) -> bool:
         """The unchanged step failed with a real allocation error under the limit."""
-        return any(r.limited and r.name == "measure" and r.oom for r in self.rungs)
+        return self.baseline.oom
 
     @property
     def fitted(self) -> Rung | None:
-        return next((r for r in self.rungs if r.limited and r.ok), None)
+        return next((r for r in self.rungs if r.ran and r.fits), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"budget_mb": self.budget_mb, "device": self.device, "rungs": [asdict(r) for r in self.rungs]}
 
-    def rows(self) -> list[list[Any]]:
-        rows = []
-        for r in self.rungs:
-            if not r.ran:
-                outcome = "not needed" if self.fitted else "not run here"
-            elif not r.limited:
-                outcome = "measured (no limit)"
-            else:
-                outcome = "fits" if r.ok else ("OUT OF MEMORY" if r.oom else f"failed: {r.error}")
-            peak = f"{r.peak_vm_mb:.1f}" if r.peak_vm_mb is not None else "-"
-            rows.append([r.name, f"{r.micro_batch} x {r.accumulation}", "yes" if r.checkpointing else "no",
-                         f"{self.budget_mb:g}" if r.limited else "none", peak, outcome])
-        return rows
+    def outcome(self, rung: Rung) -> str:
+        """What happened to ``rung`` under the limit, pointing at the next rung when it did not fit."""
+        fitted = self.fitted
+        if not rung.ran:
+            return "not needed" if fitted else "not run here"
+        if rung.fits:
+            return "fits"
+        later = self.rungs[self.rungs.index(rung) + 1:]
+        nxt = f"; next: {later[0].name}" if later else ""
+        return ("out of memory" if rung.oom else f"failed: {rung.error}") + nxt
 
-    HEADER = ["rung", "micro-batch x accumulation", "checkpointing", "limit MiB", "peak MiB", "outcome"]
+    HEADER = ["rung", "micro-batch x accumulation", "checkpointing", "needs MiB (no limit)",
+              "limit MiB", "under the limit", "loss"]
+
+    def rows(self) -> list[list[Any]]:
+        return [[r.name, r.batch, "yes" if r.checkpointing else "no",
+                 f"{r.needs_mb:.1f}" if r.needs_mb is not None else "-", f"{self.budget_mb:g}", self.outcome(r),
+                 f"{r.loss:.4f}" if r.loss is not None else "-"] for r in self.rungs]
 
     def summary(self) -> str:
         lines = [f"OOM ladder on {self.device}, step budget {self.budget_mb:g} MiB above the built model:"]
@@ -120,38 +146,41 @@ class OOMResult:
         return head + html_table(self.HEADER, self.rows())
 
     def figure(self):
-        """Bar chart: measured peak per rung that ran, with the limit as a line."""
+        """Bar chart: what each rung that ran needs (no limit), coloured by whether it fits the limit."""
         fig = new_figure()
         ax = fig.add_subplot()
-        ran = [r for r in self.rungs if r.ran and r.peak_vm_mb is not None]
-        short = {"measure": "baseline", "micro-batch down, accumulation up": "micro-batch / 2",
+        ran = [r for r in self.rungs if r.ran]
+        short = {"measure": "as it is", "micro-batch down, accumulation up": "micro-batch / 2",
                  "activation checkpointing": "+ checkpointing"}
-        labels = [f"{short.get(r.name, r.name)}\n{'no limit' if not r.limited else ('fits' if r.ok else 'OOM')}"
-                  for r in ran]
-        colours = ["#9e9e9e" if not r.limited else ("#2e7d32" if r.ok else "#c62828") for r in ran]
-        ax.bar(range(len(ran)), [r.peak_vm_mb for r in ran], color=colours)
+        labels = [f"{short.get(r.name, r.name)}\n{'fits' if r.fits else 'out of memory'}" for r in ran]
+        colours = ["#2e7d32" if r.fits else "#c62828" for r in ran]
+        bars = ax.bar(range(len(ran)), [r.needs_mb for r in ran], color=colours)
+        ax.bar_label(bars, [f"{r.needs_mb:.1f}" for r in ran], fontsize=7)
         ax.axhline(self.budget_mb, color="black", linestyle="--", label=f"limit {self.budget_mb:g} MiB")
         ax.set_xticks(range(len(ran)), labels, fontsize=7)
-        ax.set_ylabel("peak address-space growth (MiB)")
-        ax.text(0.99, 0.6, "an OOM bar stops at the limit:\nthe allocation that failed", transform=ax.transAxes,
-                ha="right", fontsize=7)
+        ax.set_ylabel("peak of the step, no limit (MiB)")
         ax.set_title("Fix ladder for the out-of-memory step")
         ax.legend()
         return fig
 
 
-def _spec_rungs(micro_batch: int, budget_mb: float) -> list[dict[str, Any]]:
+def ladder_settings(micro_batch: int) -> list[tuple[str, int, int, bool]]:
+    """(name, micro-batch, accumulation, checkpointing) of the rungs that run here, same global batch."""
     half = max(1, micro_batch // 2)
     acc = micro_batch // half
-    return [
-        {"name": "measure", "micro_batch": micro_batch, "accumulation": 1, "checkpointing": False, "budget_mb": None},
-        {"name": "measure", "micro_batch": micro_batch, "accumulation": 1, "checkpointing": False,
-         "budget_mb": budget_mb},
-        {"name": "micro-batch down, accumulation up", "micro_batch": half, "accumulation": acc,
-         "checkpointing": False, "budget_mb": budget_mb},
-        {"name": "activation checkpointing", "micro_batch": half, "accumulation": acc, "checkpointing": True,
-         "budget_mb": budget_mb},
-    ]
+    return [("measure", micro_batch, 1, False), ("micro-batch down, accumulation up", half, acc, False),
+            ("activation checkpointing", half, acc, True)]
+
+
+def measure_rungs(settings: list[tuple[str, int, int, bool]], *, budget_mb: float = BUDGET_MB, seed: int = 0,
+                  device: str = "cpu", timeout: float = 240) -> list[Rung]:
+    """Each setting measured twice in one child: without a limit and under ``budget_mb``."""
+    specs = []
+    for name, micro, acc, ckpt in settings:
+        rung = {"name": name, "micro_batch": micro, "accumulation": acc, "checkpointing": ckpt}
+        specs += [{**rung, "budget_mb": None}, {**rung, "budget_mb": budget_mb}]
+    records = run_rungs(specs, seed=seed, device=device, stop_when_fits=False, timeout=timeout)
+    return [rung_from_records(settings[i][0], records[2 * i], records[2 * i + 1]) for i in range(len(settings))]
 
 
 #: Finished rungs by their full description: a rung is deterministic (same seed, same sizes, same
@@ -194,26 +223,20 @@ def run_rungs(rungs: list[dict[str, Any]], *, seed: int = 0, device: str = "cpu"
 
 def oom(*, budget_mb: float = BUDGET_MB, micro_batch: int = MICRO_BATCH, seed: int = 0, device: str = "cpu",
         timeout: float = 240) -> OOMResult:
-    """Provoke a real OOM in a training step, then walk the fix ladder until the step fits.
+    """Provoke a real OOM in a training step, then walk the fix ladder; every rung is measured
+    without a limit and under it, the same way.
 
     ``budget_mb`` is what the step may add to the built model's process (CPU: ``RLIMIT_AS``;
-    CUDA: a per-process memory fraction, untested here). Returns every rung with its measured peak.
+    CUDA: a per-process memory fraction, untested here).
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    records = run_rungs(_spec_rungs(micro_batch, budget_mb), seed=seed, device=device, timeout=timeout)
     result = OOMResult(budget_mb=budget_mb, device=device)
-    changes = {name: change for name, change, _ in OOM_LADDER}
-    for rec in records:
-        result.rungs.append(Rung(
-            name=rec["name"], change=changes[rec["name"]], micro_batch=rec["micro_batch"],
-            accumulation=rec["accumulation"], checkpointing=rec["checkpointing"],
-            limited=rec["budget_mb"] is not None, ran=True, ok=rec["ok"], oom=rec["oom"], error=rec.get("error"),
-            peak_vm_mb=rec.get("peak_vm_mb"), peak_rss_mb=rec.get("peak_rss_mb"), seconds=rec.get("seconds"),
-            loss=rec.get("loss")))
+    result.rungs = measure_rungs(ladder_settings(micro_batch), budget_mb=budget_mb, seed=seed, device=device,
+                                 timeout=timeout)
     last = result.rungs[-1]
-    for name, change, _ in OOM_LADDER[3:]:
-        result.rungs.append(Rung(name=name, change=change, micro_batch=last.micro_batch,
-                                 accumulation=last.accumulation, checkpointing=last.checkpointing,
-                                 limited=True, ran=False))
+    changes = {name: change for name, change, _ in OOM_LADDER}
+    for name in ("ZeRO stage up", "offload"):
+        result.rungs.append(Rung(name=name, change=changes[name], micro_batch=last.micro_batch,
+                                 accumulation=last.accumulation, checkpointing=last.checkpointing, ran=False))
     return result

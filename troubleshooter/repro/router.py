@@ -162,20 +162,39 @@ class RouterCollapseResult:
              "aux loss (last)"], rows))
 
     def figure(self):
-        """Busiest expert's share per step for each run, with the collapse threshold."""
-        fig = new_figure(6.5, 3.4)
-        ax = fig.add_subplot()
-        for run, colour in ((self.without_fix, "#c62828"), (self.with_fix, "#2e7d32"), (self.aux_only, "#1565c0")):
-            if run is not None:
-                ax.plot(run.max_share, color=colour, label=run.label)
-        ax.axhline(self.collapse_threshold, color="black", linestyle="--", label="collapse threshold")
+        """Each expert's load before and after the fix (left: shares of the last step, one bar per
+        expert and run), and the busiest expert's share over the steps (right)."""
+        return load_figure([r for r in (self.without_fix, self.with_fix, self.aux_only) if r is not None],
+                           self.collapse_threshold)
+
+
+#: Colours of the runs in the figures: without the fix, with it, the aux loss alone.
+COLOURS = ("#c62828", "#2e7d32", "#1565c0")
+
+
+def load_figure(runs: list[RunShares], threshold: float = COLLAPSE):
+    """Per-expert load bars of each run (last step) and the busiest share per step, side by side."""
+    fig = new_figure(9.0, 3.4)
+    bars, lines = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    width = 0.8 / len(runs)
+    for i, (run, colour) in enumerate(zip(runs, COLOURS)):
+        shares = run.shares[-1]
+        bars.bar([e + (i - (len(runs) - 1) / 2) * width for e in range(len(shares))], shares, width=width,
+                 color=colour, label=run.label)
+        lines.plot(run.max_share, color=colour, label=run.label)
+    for ax in (bars, lines):
         ax.axhline(TOP_K / NUM_EXPERTS, color="grey", linestyle=":", label="uniform")
-        ax.set_xlabel("step")
-        ax.set_ylabel("busiest expert's share of tokens")
+        ax.axhline(threshold, color="black", linestyle="--", label="collapse threshold")
         ax.set_ylim(0, 1)
-        ax.legend(fontsize=7)
-        ax.set_title("Router collapse on the tiny MoE")
-        return fig
+    bars.set_xticks(range(NUM_EXPERTS), [f"e{e}" for e in range(NUM_EXPERTS)])
+    bars.set_xlabel("expert")
+    bars.set_ylabel("share of tokens (last step)")
+    bars.set_title("Each expert's load, before and after", fontsize=10)
+    bars.legend(fontsize=6, loc="upper right")
+    lines.set_xlabel("step")
+    lines.set_ylabel("busiest expert's share")
+    lines.set_title("Busiest expert per step", fontsize=10)
+    return fig
 
 
 def router_collapse(*, steps: int = STEPS, seed: int = 0, aux_loss_weight: float = 0.01,
