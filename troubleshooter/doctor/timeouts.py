@@ -186,6 +186,6 @@ def subgroup_result(options: DoctorOptions, probes: ProbeSet) -> CheckResult:
             "all-to-all: on NCCL it still times out at the backend default.",
         fix="Use ZeroMoEStrategy(timeout=...): after deepspeed.initialize it sets the timeout on "
             "every group (lightning_zeromoe/strategy.py apply_timeout_to_all_groups). With plain "
-            "deepspeed, call torch.distributed.distributed_c10d._set_pg_timeout(timeout, group) for "
-            "each expert group yourself (a private torch API, present in 2.13).",
+            "deepspeed, call lightning_zeromoe._torch_private.set_group_timeout(timeout, group) (which "
+            "wraps torch's private distributed_c10d._set_pg_timeout, present in 2.13) for each expert group.",
         entry="subgroup-timeout", details=stage)
