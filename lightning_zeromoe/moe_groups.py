@@ -50,6 +50,8 @@ class MoEOptimizerSplit:
     scheduler: Any = None
     #: After the call: for each installed group, the index of the user's group it came from.
     origins: list[int] = field(default_factory=list)
+    #: After the call: one line for the log (ZeRO flattens the groups afterwards, so count now).
+    summary: str = ""
 
     def __call__(self, model_parameters: Any) -> torch.optim.Optimizer:
         from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
@@ -73,6 +75,7 @@ class MoEOptimizerSplit:
         self.optimizer.state.clear()
         self.optimizer.param_groups = installed
         self.origins = origins
+        self.summary = split_summary(self.optimizer)
         if self.scheduler is not None:
             remap_scheduler(self.scheduler, origins, len(groups))
         return self.optimizer

@@ -73,7 +73,7 @@ def effective_ep_size(ep_size: int, user: Mapping[str, Any] | None) -> int:
         size = section["autoep_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ZeroMoEConfigError(
-                f"[ep-size-divisibility] expert_parallel.autoep_size={size!r} in your config must be a positive "
+                f"[merged-config-invalid] expert_parallel.autoep_size={size!r} in your config must be a positive "
                 "integer (or remove it and pass ZeroMoEStrategy(ep_size=...)).")
         return size
     return ep_size
@@ -90,7 +90,7 @@ def effective_stage(stage: int, auto: bool, user: Mapping[str, Any] | None,
     if user_stage is not None:
         if user_stage not in (0, 1, 2, 3):
             raise ZeroMoEConfigError(
-                f"[zero-stage-invalid] zero_optimization.stage={user_stage!r} in your config is not a ZeRO stage; "
+                f"[merged-config-invalid] zero_optimization.stage={user_stage!r} in your config is not a ZeRO stage; "
                 "use 0, 1, 2 or 3 (or remove it and pass ZeroMoEStrategy(stage=...)).")
         why = f"ZeroMoEStrategy: zero_optimization.stage={user_stage} from your config"
         return int(user_stage), why + (" (stage='auto' not consulted)" if auto else "")
@@ -124,7 +124,7 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     try:
         options = dataclasses.replace(options, stage=stage, ep_size=ep_size)
     except ValueError as err:
-        raise ZeroMoEConfigError(f"[zero-stage-invalid] {err}") from None
+        raise ZeroMoEConfigError(f"[merged-config-invalid] {err}") from None
     layout = Layout(world_size=world.world_size, devices_per_node=world.devices_per_node, ep_size=ep_size,
                     stage=stage, precision=world.precision)
     warnings = check_layout(layout, found)

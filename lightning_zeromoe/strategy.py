@@ -307,7 +307,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,
     ) -> tuple["deepspeed.DeepSpeedEngine", torch.optim.Optimizer]:
-        from lightning_zeromoe.moe_groups import MoEOptimizerSplit, groups_with_names, split_summary
+        from lightning_zeromoe.moe_groups import MoEOptimizerSplit, groups_with_names
 
         check_offload_optimizer(self.config, type(optimizer) if optimizer is not None else None)
         self._pitfalls_before_engine(model)
@@ -323,7 +323,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                                                   lr_scheduler=lr_scheduler)
         if split is not None:
             self._once.info(f"ZeroMoEStrategy: ZeRO stage {self.resolved.stage if self.resolved else '?'} with MoE: "
-                            f"split your optimizer into {split_summary(optimizer)}")
+                            f"split your optimizer into {split.summary}")
         self._pitfalls_after_engine(engine)
         return engine, ds_optimizer
 

@@ -18,6 +18,14 @@ from lightning_zeromoe.discovery import Discovery
 class ZeroMoEConfigError(ValueError):
     """A setting that cannot work, found before any process starts communicating."""
 
+    @property
+    def entry_id(self) -> str | None:
+        """The knowledge-base entry the message cites (``[<entry-id>] ...``), if any."""
+        message = str(self)
+        if message.startswith("[") and "] " in message:
+            return message[1:message.index("] ")]
+        return None
+
 
 @dataclass(frozen=True)
 class Layout:
