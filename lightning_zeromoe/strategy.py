@@ -50,9 +50,10 @@ if TYPE_CHECKING:
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
-#: Private ``DeepSpeedStrategy`` hooks this class overrides (``tests/test_strategy_hooks.py``
-#: checks they still exist, so a Lightning upgrade that renames one fails loudly).
-OVERRIDDEN_PRIVATE_HOOKS = ("_configure_launcher", "_setup_model_and_optimizer", "_initialize_deepspeed_inference",
+#: Private ``DeepSpeedStrategy`` members this class overrides or relies on
+#: (``tests/test_lightning_internals.py`` checks they still exist: a Lightning upgrade that renames
+#: one fails there, loudly, instead of our override silently never being called).
+PARENT_PRIVATE_API = ("_configure_launcher", "_setup_model_and_optimizer", "_initialize_deepspeed_inference",
                             "_init_deepspeed_distributed", "_config_initialized", "_set_deepspeed_activation_checkpointing")
 
 
@@ -341,6 +342,38 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         config = inference_config(self.config, already_converted=_autoep_converted(model))
         remove_module_hooks(model)  # the training engine's hooks, if fit ran before in this process
         self.model, _ = self._build_engine(model, config, optimizer=None, params=[], lr_scheduler=None)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if not fitting and not self.load_full_weights:
+            self._load_checkpoint_for_evaluation()
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint_for_evaluation(self) -> None:
+        """``validate/test/predict(ckpt_path=...)``: make the evaluation engine able to load the shards.
+
+        Under ZeRO-3 the trained weights live in the ZeRO partition files, which DeepSpeed restores
+        through its ZeRO-3 optimizer (``engine._load_zero_checkpoint``); an engine built without an
+        optimizer has none, and for a model without MoE layers DeepSpeed would consolidate the
+        checkpoint with ``zero_to_fp32`` instead, which refuses AutoEP checkpoints. So the
+        evaluation engine is rebuilt once with a do-nothing optimizer (SGD, lr=0, never stepped)
+        and the shards are loaded through it, same shape as they were saved (``resume`` loading
+        for another world size extends this method).
+        """
+        if self.model is None or not self.zero_stage_3:
+            return
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        module = self.lightning_module
+        config = inference_config(self.config, already_converted=_autoep_converted(module))
+        params = [p for p in module.parameters() if p.requires_grad]
+        remove_module_hooks(module)
+        self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
+                                           lr_scheduler=None)
 
     def _build_engine(self, model: Module, config: dict[str, Any], *, optimizer: Any, params: Any,
                       lr_scheduler: Any) -> tuple["deepspeed.DeepSpeedEngine", Any]:

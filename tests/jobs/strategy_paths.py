@@ -137,11 +137,11 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
     result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": recorder.steps,
               **recorder.facts}
     if name.endswith("_val"):
+        ckpt = args.out / name / "ckpt"
+        trainer.save_checkpoint(ckpt)
         module.val_losses.clear()
         trainer.validate(module, verbose=False)
         result["val_after_fit"] = list(module.val_losses)
-        ckpt = args.out / name / "ckpt"
-        trainer.save_checkpoint(ckpt)
         L.seed_everything(1, verbose=False)  # other initial weights: only the checkpoint can make them equal
         fresh = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
         fresh_trainer = trainer_for(args, ZeroMoEStrategy(ep_size=2, param_persistence_threshold=0), steps,
