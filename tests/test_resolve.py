@@ -63,7 +63,7 @@ def test_launcher_check_uses_the_configs_autoep_size():
 
 
 def test_invalid_user_stage_is_refused():
-    with pytest.raises(ZeroMoEConfigError, match=r"^\[zero-stage-invalid\] zero_optimization.stage=5"):
+    with pytest.raises(ZeroMoEConfigError, match=r"^\[merged-config-invalid\] zero_optimization.stage=5"):
         resolve(ZeroOptions(), WORLD, None, user={"zero_optimization": {"stage": 5}})
 
 
