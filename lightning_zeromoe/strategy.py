@@ -350,19 +350,20 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if not fitting and not self.load_full_weights:
-            self._load_checkpoint_for_evaluation()
+            self._load_checkpoint_for_evaluation(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def _load_checkpoint_for_evaluation(self) -> None:
+    def _load_checkpoint_for_evaluation(self, checkpoint_path: Any) -> None:
         """``validate/test/predict(ckpt_path=...)``: make the evaluation engine able to load the shards.
 
         Under ZeRO-3 the trained weights live in the ZeRO partition files, which DeepSpeed restores
-        through its ZeRO-3 optimizer (``engine._load_zero_checkpoint``); an engine built without an
-        optimizer has none, and for a model without MoE layers DeepSpeed would consolidate the
-        checkpoint with ``zero_to_fp32`` instead, which refuses AutoEP checkpoints. So the
-        evaluation engine is rebuilt once with a do-nothing optimizer (SGD, lr=0, never stepped)
-        and the shards are loaded through it, same shape as they were saved (``resume`` loading
-        for another world size extends this method).
+        through its ZeRO-3 optimizer (``engine._load_zero_checkpoint`` copies each saved flat fp32
+        group into the optimizer's); an engine built without an optimizer has none (and for a
+        model without MoE layers DeepSpeed would consolidate with ``zero_to_fp32``, which refuses
+        AutoEP checkpoints). So the evaluation engine is rebuilt once with a do-nothing optimizer
+        (SGD, lr=0, never stepped) whose parameters are in the order the checkpoint's flat groups
+        were saved in (``param_shapes``), and the shards are loaded through it. Same shape as they
+        were saved; loading for another world size (``resume``) extends this method.
         """
         if self.model is None or not self.zero_stage_3:
             return
@@ -370,7 +371,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
         module = self.lightning_module
         config = inference_config(self.config, already_converted=_autoep_converted(module))
-        params = [p for p in module.parameters() if p.requires_grad]
+        trainable = dict((n, p) for n, p in module.named_parameters() if p.requires_grad)
+        order = [n for n in _saved_parameter_order(checkpoint_path) if n in trainable]
+        params = [trainable[n] for n in order] + [p for n, p in trainable.items() if n not in set(order)]
         remove_module_hooks(module)
         self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
                                            lr_scheduler=None)
@@ -568,6 +571,18 @@ def group_timeout(group: Any) -> timedelta | None:
     from lightning_zeromoe._torch_private import group_timeout as read
 
     return read(group)
+
+
+def _saved_parameter_order(checkpoint_dir: Any) -> list[str]:
+    """Parameter names in the order a DeepSpeed checkpoint's flat optimizer groups hold them."""
+    root = Path(checkpoint_dir)
+    latest = root / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    states = sorted((root / tag).glob("*model_states.pt"))
+    if not states:
+        return []
+    saved = torch.load(states[0], map_location="cpu", weights_only=False)
+    return [name for group in saved.get("param_shapes") or [] for name in group]
 
 
 def _autoep_converted(model: Module) -> bool:

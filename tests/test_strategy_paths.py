@@ -23,10 +23,11 @@ STEPS, BATCH, LR, WARMUP, CLIP = 6, 4, 3e-3, 3, 0.05
 RUNS = ("s2_sched", "auto", "accum_clip", "bf16_true", "bf16_mixed", "s3_val", "native_s1", "native_s2")
 #: fp32: measured max relative difference ~2e-7 (summation order in the experts); the repo's parity bound.
 RTOL = 2e-6
-#: bf16 against the fp32 reference over 6 steps: measured max relative difference below 1e-2
-#: (bf16 has an 8-bit mantissa: ~4e-3 relative per rounding). A wrong path (unscaled loss,
-#: skipped step, fp32 silently) is off by far more, and the dtype check catches "fp32 silently".
-BF16_RTOL = 2.5e-2
+#: bf16 against the fp32 reference over 6 steps: measured max relative difference 1.4e-4 for both
+#: bf16-true and bf16-mixed (DeepSpeed runs both as bf16 parameters with fp32 master weights; the
+#: loss is computed from fp32 logits). A wrong path (unscaled loss, skipped step) is off by more,
+#: and the dtype check catches "fp32 silently".
+BF16_RTOL = 1e-3
 
 
 def _free_port() -> int:
@@ -125,7 +126,7 @@ def test_bf16_trains_in_bf16_close_to_fp32(paths, name):
 
 def _plain_val_losses(model: TinyMoELM, records: list[dict]) -> list[float]:
     config = model.config
-    data = SyntheticLMData(16, config.max_seq_len // 2 + 1, config.vocab_size, seed=1)
+    data = SyntheticLMData(16, config.max_seq_len // 2 + 1, config.vocab_size, seed=0)
     with torch.no_grad():
         out = []
         for rec in records:

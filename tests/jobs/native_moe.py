@@ -78,13 +78,18 @@ class NativeMoEModule(L.LightningModule):
 
 def reference(run_dir: Path, steps: int, lr: float) -> list[float]:
     """Plain loop: same seed, ep_size=1, each step the mean of the two ranks' losses on their batches."""
-    import tempfile
+    import os
+    import socket
 
-    import torch.distributed as dist
+    import deepspeed
 
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    store = Path(tempfile.mkdtemp()) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      DS_ACCELERATOR="cpu")
+    deepspeed.init_distributed("gloo")  # the MoE layer's groups live in deepspeed.comm
     L.seed_everything(0, verbose=False)
     model = NativeMoELM(ep_size=1)
     model.moe.set_deepspeed_parallelism()
@@ -98,7 +103,6 @@ def reference(run_dir: Path, steps: int, lr: float) -> list[float]:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    dist.destroy_process_group()
     return losses
 
 
