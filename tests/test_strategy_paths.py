@@ -136,8 +136,8 @@ def _plain_val_losses(model: TinyMoELM, records: list[dict]) -> list[float]:
 
 
 def test_validate_after_fit_and_from_checkpoint_equal_a_plain_eval(paths):
-    """validate() after fit, and validate(ckpt_path=...) in a fresh Trainer with other initial weights,
-    give the loss a plain eval of the same trained weights gives on the same batches."""
+    """validate(), test() and predict() after fit, and validate(ckpt_path=...) in a fresh Trainer with
+    other initial weights, give the loss a plain eval of the same trained weights gives on the same batches."""
     ranks = paths["s3_val"]
     _, trained = reference(micro_batches(ranks))
     trained.eval()
@@ -146,6 +146,10 @@ def test_validate_after_fit_and_from_checkpoint_equal_a_plain_eval(paths):
         plain = _plain_val_losses(trained, r["val_after_fit"])
         assert max_rel([v["loss"] for v in r["val_after_fit"]], plain) < RTOL * 5
         assert [v["indices"] for v in r["val_from_ckpt"]] == [v["indices"] for v in r["val_after_fit"]]
+        # test and predict take the same evaluation path: same batches, same losses.
+        for other in ("test_after_fit", "predict_after_fit"):
+            assert [v["indices"] for v in r[other]] == [v["indices"] for v in r["val_after_fit"]], other
+            assert max_rel([v["loss"] for v in r[other]], plain) < RTOL * 5, other
         assert max_rel([v["loss"] for v in r["val_from_ckpt"]], plain) < RTOL * 5
 
 

@@ -18,7 +18,7 @@ Runs (name: what it does):
   accum_clip   stage=3, ep_size=2, accumulate_grad_batches=2, gradient_clip_val=0.05
   bf16_true    stage=3, ep_size=2, precision="bf16-true"
   bf16_mixed   stage=3, ep_size=2, precision="bf16-mixed"
-  s3_val       stage=3, ep_size=2: fit, validate after fit, save; fresh Trainer validate(ckpt_path=...)
+  s3_val       stage=3, ep_size=2: fit, save; validate, test, predict after fit; fresh Trainer validate(ckpt_path=...)
   native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layer), stage=1
   native_s2    the same at stage=2
   nodes        stage=3, ep_size=2 (for the two-"node" launch)
@@ -72,12 +72,21 @@ class PathModule(TinyMoEModule):
                                seed=0)
         return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
 
-    def validation_step(self, batch, batch_idx):
+    def _eval_loss(self, batch) -> torch.Tensor:
         task, aux = lm_losses(self.model, batch["input_ids"])
-        loss = (task + self.model.config.aux_loss_weight * aux).mean()
+        return (task + self.model.config.aux_loss_weight * aux).mean()
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._eval_loss(batch)
         self.val_losses.append({"indices": batch["index"].tolist(), "loss": float(loss)})
         self.log("val/loss", loss, sync_dist=True)
         return loss
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return {"indices": batch["index"].tolist(), "loss": float(self._eval_loss(batch))}
 
 
 class Recorder(L.Callback):
@@ -142,6 +151,10 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
         module.val_losses.clear()
         trainer.validate(module, verbose=False)
         result["val_after_fit"] = list(module.val_losses)
+        module.val_losses.clear()
+        trainer.test(module, dataloaders=module.val_dataloader(), verbose=False)
+        result["test_after_fit"] = list(module.val_losses)
+        result["predict_after_fit"] = trainer.predict(module, dataloaders=module.val_dataloader())
         L.seed_everything(1, verbose=False)  # other initial weights: only the checkpoint can make them equal
         fresh = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
         fresh_trainer = trainer_for(args, ZeroMoEStrategy(ep_size=2, param_persistence_threshold=0), steps,
