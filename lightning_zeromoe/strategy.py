@@ -320,7 +320,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             # deepspeed.initialize, so the split happens there, on the user's optimizer object.
             split = MoEOptimizerSplit(optimizer, lr_scheduler)
             params, client = groups_with_names(optimizer), split
-        engine, ds_optimizer = self._build_engine(model, self.config, optimizer=client, params=params,
+        config = self.config
+        if _autoep_converted(model):  # a second fit in this process: AutoEP must not convert twice
+            config = {k: v for k, v in config.items() if k != "expert_parallel"}
+        engine, ds_optimizer = self._build_engine(model, config, optimizer=client, params=params,
                                                   lr_scheduler=lr_scheduler)
         if split is not None:
             self._once.info(f"ZeroMoEStrategy: ZeRO stage {self.resolved.stage if self.resolved else '?'} with MoE: "
