@@ -1,20 +1,26 @@
 """``ZeroMoEStrategy``: DeepSpeed ZeRO (stage 3 by default) plus expert parallelism via AutoEP.
 
-A subclass of Lightning's ``DeepSpeedStrategy``. What it adds, hook by hook:
+A subclass of Lightning's ``DeepSpeedStrategy``; the hooks below run in Lifecycle order. What each adds:
 
-* ``setup_environment`` (the LightningModule is connected, no process group yet): find the MoE
-  blocks, validate the layout, build and merge the DeepSpeed config. On CPU, select DeepSpeed's
-  CPU accelerator instead of refusing (Lightning's parent refuses anything but CUDA).
+* ``__init__``: sort Lightning's ``DeepSpeedStrategy`` keywords into passed-on, mapped into the
+  config, or refused (:mod:`lightning_zeromoe.keywords`); read ``PL_DEEPSPEED_CONFIG_PATH``.
+* ``_configure_launcher`` (devices and nodes known, no rank launched): refuse an ``ep_size`` that
+  does not divide the world, in the user's own process.
+* ``setup_environment``: on CPU, select DeepSpeed's CPU accelerator instead of refusing; give
+  ``zero.Init`` (``configure_model``) the ZeRO section it needs. No model yet: nothing else.
 * ``setup_distributed``: on CPU, skip the CUDA device-index check and join a gloo group.
-* ``_setup_model_and_optimizer``: lend the Hugging Face config to the root while
-  ``deepspeed.initialize`` runs (AutoEP reads ``root.config``), and pass a device rank DeepSpeed
-  accepts on CPU.
+* ``setup`` (after ``configure_model``: the model exists): discover the MoE blocks, pick the stage
+  for ``stage="auto"``, build, merge and validate the config once (:func:`lightning_zeromoe.resolve.resolve`).
+* ``_setup_model_and_optimizer`` / ``_initialize_deepspeed_inference``: one engine builder for
+  training and evaluation, on every device (:meth:`ZeroMoEStrategy._build_engine`): it lends the
+  Hugging Face config to the root while ``deepspeed.initialize`` runs (AutoEP reads ``root.config``)
+  and passes a device rank DeepSpeed accepts on CPU. Under ZeRO-1/2 with MoE the user's optimizer is
+  split into MoE and non-MoE param groups (:mod:`lightning_zeromoe.moe_groups`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import time
@@ -27,19 +33,28 @@ import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch.nn import Module
+from typing_extensions import override
 
-from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, build_config, load_user_config, merge_config
+from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
-from lightning_zeromoe.validation import (Layout, ZeroMoEConfigError, check_batch_arithmetic, check_ep_divides_world,
-                                          check_layout)
+from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keywords
+from lightning_zeromoe.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
+                                       inference_config, resolve, zero_init_config)
+from lightning_zeromoe.validation import ZeroMoEConfigError, check_ep_divides_world
 
 if TYPE_CHECKING:
     import deepspeed
 
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+#: Private ``DeepSpeedStrategy`` members this class overrides or relies on
+#: (``tests/test_lightning_internals.py`` checks they still exist: a Lightning upgrade that renames
+#: one fails there, loudly, instead of our override silently never being called).
+PARENT_PRIVATE_API = ("_configure_launcher", "_setup_model_and_optimizer", "_initialize_deepspeed_inference",
+                            "_init_deepspeed_distributed", "_config_initialized", "_set_deepspeed_activation_checkpointing")
 
 
 class ZeroMoEStrategy(DeepSpeedStrategy):
@@ -56,13 +71,17 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         ep_size: Expert-parallel group size. Experts of every MoE layer are split over groups of
             ``ep_size`` ranks (``num_experts / ep_size`` each); the groups are replicated
             ``world_size / ep_size`` times. Must divide the world size and every layer's expert
-            count. 1 disables expert parallelism (AutoEP is not applied).
+            count. 1 disables expert parallelism (AutoEP is not applied). An
+            ``expert_parallel.autoep_size`` in ``config`` wins (and is what is validated).
         stage: ZeRO stage, 3 by default (parameters, gradients and optimizer states sharded), or
-            ``"auto"``: :func:`lightning_zeromoe.planner.choose_stage` picks the lowest stage whose
-            model states fit the device memory (following the advice "don't use ZeRO-3 when memory
-            allows less") and logs why.
+            ``"auto"``: once the model exists, :func:`lightning_zeromoe.planner.choose_stage` picks
+            the lowest stage whose model states fit the device memory and logs why. A model built
+            under ``zero.Init`` in ``configure_model`` is already sharded, so ``"auto"`` keeps stage 3
+            for it. A ``zero_optimization.stage`` in ``config`` wins over both. Stages 1 and 2 split
+            the optimizer from ``configure_optimizers`` into MoE and non-MoE param groups.
         offload_optimizer: Keep optimizer states in CPU memory. A last resort: it trades GPU
-            memory for PCIe traffic and CPU Adam time.
+            memory for PCIe traffic and CPU Adam time. Needs ``DeepSpeedCPUAdam`` from
+            ``configure_optimizers`` (a torch optimizer is refused before any engine exists).
         offload_parameters: Keep parameters in CPU memory (stage 3 only). Slower still.
         pin_memory: Pin offloaded buffers (needs a large enough ``ulimit -l``).
         overlap_comm: Overlap gradient reduction with backward.
@@ -75,7 +94,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             (``stage3_gather_16bit_weights_on_model_save``). Costly for large models.
         timeout: Collective timeout for the process groups training uses.
         config: A DeepSpeed config dict or JSON path merged over the generated one. Your values win;
-            each override is logged.
+            each override is logged. Without it, ``PL_DEEPSPEED_CONFIG_PATH`` is read (as Lightning does).
         moe_pattern: Where your custom MoE blocks are, as :class:`MoEPattern` (or its fields as a
             dict). Hugging Face MoE models with an AutoEP preset, and modules that define
             ``autoep_pattern``, are found without it.
@@ -92,8 +111,13 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         grad_audit_steps: For this many optimizer steps, watch which trainable parameters get no
             gradient (a cached ``.data``, a detached copy, an unused branch) and warn; 0 turns it off.
             Nothing stays installed afterwards.
-        **kwargs: Passed to Lightning's ``DeepSpeedStrategy`` (accelerator, parallel_devices,
-            cluster_environment, precision_plugin, process_group_backend, logging_level, ...).
+        **kwargs: Lightning's ``DeepSpeedStrategy`` keywords. Those the parent uses itself are passed
+            on (accelerator, parallel_devices, cluster_environment, precision_plugin,
+            process_group_backend, logging_level, remote_device, loss_scale*, load_full_weights, ...);
+            those that only fed Lightning's own config builder (activation checkpointing, aio,
+            ``offload_*_device``, ``nvme_path``, ``sub_group_size``, ``logging_batch_size_per_gpu``, ...)
+            are written into the built config; ``zero_optimization`` is refused
+            (:mod:`lightning_zeromoe.keywords`).
     """
 
     strategy_name = "zero_moe"
@@ -132,10 +156,20 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             allgather_bucket_size=int(allgather_bucket_size), prefetch_bucket_size=int(prefetch_bucket_size),
             param_persistence_threshold=int(param_persistence_threshold),
             gather_16bit_weights_on_save=gather_16bit_weights_on_save)
-        self.user_config = load_user_config(config)
+        self.keywords = split_keywords(kwargs, offload_optimizer=offload_optimizer,
+                                       offload_parameters=offload_parameters)
+        source, from_env = config_source(config)
+        if from_env:
+            rank_zero_info(f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}")
+        self.user_config = load_user_config(source)
+        # Needs no model: refuse enabled=false with ep_size > 1 now, in the user's own process.
+        effective_ep_size(ep_size, self.user_config)
         self.moe_pattern = MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern
         self.discovery: Discovery | None = None
-        self._said: set[str] = set()
+        #: The merged, validated config and the facts read from it; built once, in ``setup``.
+        self.resolved: ResolvedConfig | None = None
+        self._resolved_for: Module | None = None
+        self._once = WarningCache()
         # ZeRO-3 pitfalls (lightning_zeromoe.pitfalls): see _pitfalls_before_engine / _after_engine.
         if grad_audit_steps < 0:
             raise ValueError(f"grad_audit_steps={grad_audit_steps} must be >= 0 (0 turns the gradient audit off).")
@@ -144,28 +178,38 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         self.guard_device_moves = guard_device_moves
         self.grad_audit_steps = int(grad_audit_steps)
         self.pitfall_state: dict[str, Any] = {}
-        # The real config is built in setup_environment, once the model is known.
-        super().__init__(config={}, timeout=timeout, **kwargs)
+        # Lightning never builds its own config (config={} is not None); ours is built in setup().
+        super().__init__(config={}, timeout=timeout, **self.keywords.passed)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="DeepSpeed ZeRO-3 + expert parallelism (AutoEP)")
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ hooks, in lifecycle order
 
+    @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once devices and nodes are known and before any rank is launched:
         # the earliest point where an impossible ep_size can be refused, in the user's own process.
-        check_ep_divides_world(self.options.ep_size, self.num_nodes * self.num_processes)
+        check_ep_divides_world(effective_ep_size(self.options.ep_size, self.user_config),
+                               self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
-        self.prepare()
         if self._on_cpu:
             _use_deepspeed_cpu_accelerator()
+        # configure_model() runs next, under zero.Init for stage 3: it needs the ZeRO section now.
+        # The full config (discovery, validation, stage="auto") waits for the model, in setup().
+        if self.resolved is None:
+            self.config = zero_init_config(self.options, auto_stage=self.auto_stage,
+                                           keyword_sections=self._keyword_sections(), user=self.user_config)
+            self._config_initialized = False
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.
         DDPStrategy.setup_environment(self)
 
+    @override
     def setup_distributed(self) -> None:
         if not self._on_cpu:
             return super().setup_distributed()
@@ -174,73 +218,75 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    @override
     def setup(self, trainer: Any) -> None:
-        # configure_model() may have built (or replaced) the MoE blocks since setup_environment.
+        # configure_model() has run: the model exists, so discovery and validation can see it.
         self.prepare()
         super().setup(trainer)
 
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        stop_launched_ranks(self.launcher, grace=min(10.0, self._timeout.total_seconds() if self._timeout else 10.0))
-
+    @override
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         # deepspeed.initialize has created the expert-parallel groups by now.
         apply_timeout_to_all_groups(self._timeout)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        stop_launched_ranks(self.launcher, grace=min(10.0, self._timeout.total_seconds() if self._timeout else 10.0))
+
     # ------------------------------------------------------------------ config
 
     def prepare(self) -> None:
-        """Discover MoE blocks, validate, and build the DeepSpeed config. Idempotent, no communication."""
+        """Discover MoE blocks, pick the stage, build, merge and validate the config. No communication.
+
+        Runs once per model: a second ``setup`` for the same LightningModule (``validate`` after
+        ``fit``) keeps the config the model was converted with; AutoEP has replaced its blocks by
+        then, so discovering them again would describe another model.
+        """
         module = self.lightning_module
         if module is None:
             raise RuntimeError("ZeroMoEStrategy needs a LightningModule: use it through Trainer.fit/validate/test.")
+        if self.resolved is not None and self._resolved_for is module:
+            self.config = dict(self.resolved.config)
+            self._config_initialized = False
+            return
         self.discovery = discover(module, self.moe_pattern)
-        if self.auto_stage:
-            self._choose_stage(module)
-        layout = Layout(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
-                        ep_size=self.options.ep_size, stage=self.options.stage,
-                        precision=str(self.precision_plugin.precision))
-        for warning in check_layout(layout, self.discovery):
-            self._say(warning, warn=True)
-        self.config = self._merged_config()
-        check_batch_arithmetic(self.config, layout.world_size, self._accumulate_grad_batches())
-        # Lightning sets gradient_accumulation_steps itself and refuses a config that has it.
-        self.config.pop("gradient_accumulation_steps", None)
-        self._config_initialized = False
+        world = World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                      on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
+                      accumulate_grad_batches=self._accumulate_grad_batches())
+        self.resolved = resolve(self.options, world, self.discovery, auto_stage=self.auto_stage,
+                                choose_stage=lambda: self._choose_stage(module),
+                                keyword_sections=self._keyword_sections(), user=self.user_config)
+        self._resolved_for = module
+        for warning in self.resolved.warnings:
+            self._once.warn(warning)
+        for note in self.resolved.notes:
+            self._once.info(note)
+        self.config = dict(self.resolved.config)
+        self._config_initialized = False  # Lightning adds batch size, accumulation, clipping, precision
 
-    def _choose_stage(self, module: Module) -> None:
+    def _keyword_sections(self) -> dict[str, Any]:
+        return self.keywords.config_sections(offload_optimizer=self.options.offload_optimizer,
+                                             offload_parameters=self.options.offload_parameters)
+
+    def _choose_stage(self, module: Module) -> tuple[int, str]:
         """``stage="auto"``: the lowest ZeRO stage whose model states fit, from the memory planner."""
+        if any(hasattr(p, "ds_id") for p in module.parameters()):
+            return 3, ("stage=3: the model was built under zero.Init in configure_model and is already "
+                       "partitioned, so a lower stage would first have to gather it whole on every rank.")
         from lightning_zeromoe.planner import choose_stage
 
-        stage, reason = choose_stage(module, world_size=self.num_nodes * self.num_processes,
-                                     devices_per_node=self.num_processes, ep_size=self.options.ep_size,
-                                     device_memory_bytes=self._device_memory_bytes(),
-                                     precision=str(self.precision_plugin.precision))
-        self.options = dataclasses.replace(self.options, stage=stage)
-        self._say(f"ZeroMoEStrategy(stage='auto'): {reason}")
+        return choose_stage(module, world_size=self.num_nodes * self.num_processes,
+                            devices_per_node=self.num_processes, ep_size=self.options.ep_size,
+                            device_memory_bytes=self._device_memory_bytes(),
+                            precision=str(self.precision_plugin.precision))
 
     def _device_memory_bytes(self) -> float:
         """Memory per device: the GPU's, or on CPU this host's RAM shared by its processes."""
         if not self._on_cpu:
             return float(torch.cuda.get_device_properties(self.root_device).total_memory)
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, self.num_processes)
-
-    def _merged_config(self) -> dict[str, Any]:
-        found = self.discovery
-        locate = found.autoep if (found and found.blocks and self.options.ep_size > 1) else None
-        base = build_config(self.options, locate, use_grouped_mm=not self._on_cpu)
-        merged, overrides = merge_config(base, self.user_config)
-        for line in overrides:
-            self._say(f"ZeroMoEStrategy config override: {line}")
-        return merged
-
-    def _say(self, message: str, warn: bool = False) -> None:
-        """Log on rank 0, once: ``prepare`` runs in both setup_environment and setup."""
-        if message in self._said:
-            return
-        self._said.add(message)
-        (rank_zero_warn if warn else rank_zero_info)(message)
 
     def _accumulate_grad_batches(self) -> int:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -258,18 +304,92 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------------------------------ engine
 
+    @override
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,
     ) -> tuple["deepspeed.DeepSpeedEngine", torch.optim.Optimizer]:
+        from lightning_zeromoe.moe_groups import MoEOptimizerSplit, groups_with_names
+
+        check_offload_optimizer(self.config, type(optimizer) if optimizer is not None else None)
+        self._pitfalls_before_engine(model)
+        params: Any = [p for p in model.parameters() if p.requires_grad]
+        client: Any = optimizer
+        split = None
+        if optimizer is not None and self._needs_moe_param_groups():
+            # ZeRO-1/2 need expert params in their own param groups; AutoEP creates them inside
+            # deepspeed.initialize, so the split happens there, on the user's optimizer object.
+            split = MoEOptimizerSplit(optimizer, lr_scheduler)
+            params, client = groups_with_names(optimizer), split
+        config = self.config
+        if _autoep_converted(model):  # a second fit in this process: AutoEP must not convert twice
+            config = {k: v for k, v in config.items() if k != "expert_parallel"}
+        engine, ds_optimizer = self._build_engine(model, config, optimizer=client, params=params,
+                                                  lr_scheduler=lr_scheduler)
+        if split is not None:
+            self._once.info(f"ZeroMoEStrategy: ZeRO stage {self.resolved.stage if self.resolved else '?'} with MoE: "
+                            f"split your optimizer into {split.summary}")
+        self._pitfalls_after_engine(engine)
+        return engine, ds_optimizer
+
+    def _needs_moe_param_groups(self) -> bool:
+        found = self.discovery
+        has_moe = bool(found and (found.native_moe or (found.blocks and self.resolved and self.resolved.expert_parallel)))
+        stage = self.resolved.stage if self.resolved else 3
+        return has_moe and stage in (1, 2)
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        """validate/test/predict: the same builder as training, with ``expert_parallel`` kept."""
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        config = inference_config(self.config, already_converted=_autoep_converted(model))
+        remove_module_hooks(model)  # the training engine's hooks, if fit ran before in this process
+        self.model, _ = self._build_engine(model, config, optimizer=None, params=[], lr_scheduler=None)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if not fitting and not self.load_full_weights:
+            self._load_checkpoint_for_evaluation(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _load_checkpoint_for_evaluation(self, checkpoint_path: Any) -> None:
+        """``validate/test/predict(ckpt_path=...)``: make the evaluation engine able to load the shards.
+
+        Under ZeRO-3 the trained weights live in the ZeRO partition files, which DeepSpeed restores
+        through its ZeRO-3 optimizer (``engine._load_zero_checkpoint`` copies each saved flat fp32
+        group into the optimizer's); an engine built without an optimizer has none (and for a
+        model without MoE layers DeepSpeed would consolidate with ``zero_to_fp32``, which refuses
+        AutoEP checkpoints). So the evaluation engine is rebuilt once with a do-nothing optimizer
+        (SGD, lr=0, never stepped) whose parameters are in the order the checkpoint's flat groups
+        were saved in (``param_shapes``), and the shards are loaded through it. Same shape as they
+        were saved; loading for another world size (``resume``) extends this method.
+        """
+        if self.model is None or not self.zero_stage_3:
+            return
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        module = self.lightning_module
+        config = inference_config(self.config, already_converted=_autoep_converted(module))
+        trainable = dict((n, p) for n, p in module.named_parameters() if p.requires_grad)
+        order = [n for n in _saved_parameter_order(checkpoint_path) if n in trainable]
+        params = [trainable[n] for n in order] + [p for n, p in trainable.items() if n not in set(order)]
+        remove_module_hooks(module)
+        self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
+                                           lr_scheduler=None)
+
+    def _build_engine(self, model: Module, config: dict[str, Any], *, optimizer: Any, params: Any,
+                      lr_scheduler: Any) -> tuple["deepspeed.DeepSpeedEngine", Any]:
+        """The one ``deepspeed.initialize`` call, for training and evaluation, on CPU and GPU."""
         import deepspeed
 
-        self._pitfalls_before_engine(model)
-        params = [p for p in model.parameters() if p.requires_grad]
         with lend_root_config(model, self.discovery.root_config if self.discovery else None):
             engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self._device_rank()), config=self.config, model=model,
+                args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
-        self._pitfalls_after_engine(engine)
         return engine, ds_optimizer
 
     # ------------------------------------------------------------------ ZeRO-3 pitfalls
@@ -322,6 +442,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self.pitfall_state["audit"] = GradAudit(module, self.grad_audit_steps, device=self.root_device).install()
         self.pitfall_state["steps"] = 0
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._pitfalls_after_step()
@@ -348,6 +469,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 for message in report.messages():
                     rank_zero_warn(f"ZeroMoEStrategy: {message}")
 
+    @override
     def teardown(self) -> None:
         # Lightning's teardown moves the module to the CPU: lift the guard first, drop audit hooks.
         guard, audit = self.pitfall_state.pop("guard", None), self.pitfall_state.get("audit")
@@ -357,23 +479,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             audit.remove()
         super().teardown()
 
-    def _initialize_deepspeed_inference(self, model: Module) -> None:
-        if not self._on_cpu:
-            return super()._initialize_deepspeed_inference(model)
-        import deepspeed
-
-        config = {"train_micro_batch_size_per_gpu": 1, **{k: self.config[k] for k in ("fp16", "bf16") if k in self.config}}
-        if self.zero_stage_3:
-            config.update({k: self.config[k] for k in ("zero_allow_untested_optimizer", "zero_optimization")})
-        if "expert_parallel" in self.config:
-            config["expert_parallel"] = self.config["expert_parallel"]
-        with lend_root_config(model, self.discovery.root_config if self.discovery else None):
-            self.model, _, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
-                optimizer=None, lr_scheduler=None, model_parameters=[], dist_init_required=False)
-
     # ------------------------------------------------------------------ checkpoints
 
+    @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's sharded checkpoint, plus ``zeromoe_meta.json`` for ``lightning_zeromoe.export``."""
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -426,20 +534,20 @@ def apply_timeout_to_all_groups(timeout: timedelta | None) -> int:
     ``torch.distributed.new_group(ranks)`` and no timeout, so they get the backend default
     (torch 2.13: 30 min for gloo, 10 min for NCCL), not the world group's. A rank stuck in an
     expert all-to-all would then wait for that default instead of ``timeout``. Returns how many
-    groups were updated.
+    groups were updated. The private torch calls live in :mod:`lightning_zeromoe._torch_private`.
     """
     if timeout is None or not torch.distributed.is_initialized():
         return 0
-    from torch.distributed import distributed_c10d as c10d
+    from lightning_zeromoe import _torch_private
 
-    set_timeout = getattr(c10d, "_set_pg_timeout", None)
-    if set_timeout is None:  # private API; present in torch 2.3 - 2.13
-        rank_zero_warn("This torch has no distributed_c10d._set_pg_timeout: expert-parallel groups keep the "
+    missing = _torch_private.missing_private_api()
+    if missing:
+        rank_zero_warn(f"This torch lacks distributed_c10d.{', '.join(missing)}: expert-parallel groups keep the "
                        "backend's default collective timeout instead of ZeroMoEStrategy(timeout=...).")
         return 0
-    groups = [pg for pg in list(c10d._world.pg_map) if not c10d._rank_not_in_group(pg)]
+    groups = _torch_private.groups_of_this_rank()
     for group in groups:
-        set_timeout(timeout, group)
+        _torch_private.set_group_timeout(timeout, group)
     return len(groups)
 
 
@@ -463,15 +571,28 @@ def stop_launched_ranks(launcher: Any, grace: float) -> None:
 
 def group_timeout(group: Any) -> timedelta | None:
     """The collective timeout a process group's backend will use (for tests and the doctor)."""
-    for device in (torch.device("cuda"), torch.device("cpu")):
-        try:
-            backend = group._get_backend(device)
-        except RuntimeError:
-            continue
-        options = getattr(backend, "options", None)
-        if options is not None:
-            return options._timeout
-    return None
+    from lightning_zeromoe._torch_private import group_timeout as read
+
+    return read(group)
+
+
+def _saved_parameter_order(checkpoint_dir: Any) -> list[str]:
+    """Parameter names in the order a DeepSpeed checkpoint's flat optimizer groups hold them."""
+    root = Path(checkpoint_dir)
+    latest = root / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    states = sorted((root / tag).glob("*model_states.pt"))
+    if not states:
+        return []
+    saved = torch.load(states[0], map_location="cpu", weights_only=False)
+    return [name for group in saved.get("param_shapes") or [] for name in group]
+
+
+def _autoep_converted(model: Module) -> bool:
+    """Whether AutoEP has already replaced MoE blocks in ``model`` (``fit`` ran in this process)."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return any(isinstance(m, AutoEPMoELayer) for m in model.modules())
 
 
 def _use_deepspeed_cpu_accelerator() -> None:

@@ -29,6 +29,14 @@ class ZeroMoEConfigError(ValueError):
         if message.startswith("[") and "] " in message:
             self.entry_id = message[1:message.index("] ")]
 
+    @property
+    def entry_id(self) -> str | None:
+        """The knowledge-base entry the message cites (``[<entry-id>] ...``), if any."""
+        message = str(self)
+        if message.startswith("[") and "] " in message:
+            return message[1:message.index("] ")]
+        return None
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -31,15 +31,15 @@ def main() -> None:
     # A generous rendezvous, then the short timeout the user asked for on the world group.
     dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=120))
     timeout = timedelta(seconds=args.timeout)
-    c10d._set_pg_timeout(timeout, c10d._get_default_group())
+    from lightning_zeromoe._torch_private import group_timeout, set_group_timeout
+
+    set_group_timeout(timeout, c10d._get_default_group())
     expert_group = dist.new_group([0, 1])  # what deepspeed/utils/groups.py does
     if args.fix:
         from lightning_zeromoe.strategy import apply_timeout_to_all_groups
 
         apply_timeout_to_all_groups(timeout)
     dist.barrier()
-
-    from lightning_zeromoe.strategy import group_timeout
 
     record = {"rank": args.rank, "world_timeout": group_timeout(c10d._get_default_group()).total_seconds(),
               "expert_group_timeout": group_timeout(expert_group).total_seconds()}

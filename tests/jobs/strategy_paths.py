@@ -1,0 +1,184 @@
+"""Several training paths of ZeroMoEStrategy in one launch, each a real Trainer.fit on 2 CPU ranks.
+
+Run under torchrun (one launch, several fits: the process group and DeepSpeed's expert groups
+are created once and reused, as in a notebook that fits twice)::
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/jobs/strategy_paths.py --out DIR --runs s2_sched,auto
+
+or as two one-process "nodes" (``--nnodes 2 --node_rank i``) with ``--num-nodes 2 --devices 1``.
+Per run and rank it writes ``DIR/<run>/rank<R>.json``: the sample indices and loss of every
+training micro-batch, the chosen stage, the parameters' dtypes, the optimizer's param groups,
+and (for the ``*_val`` runs) the per-batch validation losses after fit and from a checkpoint
+loaded into a fresh Trainer. ``tests/test_strategy_paths.py`` compares them with plain
+single-process runs.
+
+Runs (name: what it does):
+  s2_sched     stage=2, ep_size=2, torch AdamW + LambdaLR warm-up from configure_optimizers
+  auto         stage="auto" (the planner picks stage 1 for the tiny model), ep_size=2
+  accum_clip   stage=3, ep_size=2, accumulate_grad_batches=2, gradient_clip_val=0.05
+  bf16_true    stage=3, ep_size=2, precision="bf16-true"
+  bf16_mixed   stage=3, ep_size=2, precision="bf16-mixed"
+  s3_val       stage=3, ep_size=2: fit, save; validate, test, predict after fit; fresh Trainer validate(ckpt_path=...)
+  native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layer), stage=1
+  native_s2    the same at stage=2
+  nodes        stage=3, ep_size=2 (for the two-"node" launch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from native_moe import NativeMoEModule  # noqa: E402
+
+from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
+from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoEModule, lm_losses  # noqa: E402
+
+BATCH, LR, WARMUP = 4, 3e-3, 3
+VAL_SAMPLES = 16
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / WARMUP)
+
+
+class PathModule(TinyMoEModule):
+    """The tiny MoE with an optional warm-up scheduler and a validation set."""
+
+    def __init__(self, *args, scheduler: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.use_scheduler = scheduler
+        self.val_losses: list[dict] = []
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+        if not self.use_scheduler:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def val_dataloader(self):
+        data = SyntheticLMData(VAL_SAMPLES, self.model.config.max_seq_len // 2 + 1, self.model.config.vocab_size,
+                               seed=0)
+        return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+
+    def _eval_loss(self, batch) -> torch.Tensor:
+        task, aux = lm_losses(self.model, batch["input_ids"])
+        return (task + self.model.config.aux_loss_weight * aux).mean()
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._eval_loss(batch)
+        self.val_losses.append({"indices": batch["index"].tolist(), "loss": float(loss)})
+        self.log("val/loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return {"indices": batch["index"].tolist(), "loss": float(self._eval_loss(batch))}
+
+
+class Recorder(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.facts: dict = {}
+
+    def on_train_start(self, trainer, module) -> None:
+        engine = trainer.strategy.deepspeed_engine
+        optimizer = engine.optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.facts = {
+            "stage": trainer.strategy.config["zero_optimization"]["stage"],
+            "dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
+            "groups": [{"moe": bool(g.get("moe")), "name": g.get("name"), "n": len(g["params"])}
+                       for g in inner.param_groups],
+            "expert_parallel": trainer.strategy.config.get("expert_parallel", {}).get("enabled", False),
+        }
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        indices = batch["index"].tolist() if isinstance(batch, dict) else batch[1].tolist()
+        self.steps.append({"step": trainer.global_step, "indices": indices, "loss": module.last_losses["loss"],
+                           "lr": trainer.optimizers[0].param_groups[0]["lr"]})
+
+
+def trainer_for(args: argparse.Namespace, strategy: ZeroMoEStrategy, steps: int, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_steps=steps,
+                     logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=False, strategy=strategy, num_sanity_val_steps=0,
+                     limit_val_batches=0 if "val" not in kwargs.pop("_name", "") else None, **kwargs)
+
+
+def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
+    L.seed_everything(0, verbose=False)
+    steps = args.steps
+    trainer_kwargs: dict = {"_name": name}
+    strategy_kwargs: dict = {"ep_size": 2, "param_persistence_threshold": 0}
+    epoch_steps = steps
+    if name.startswith("native"):
+        module = NativeMoEModule(ep_size=2, batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
+        strategy_kwargs = {"ep_size": 1, "stage": int(name[-1])}
+    else:
+        if name == "accum_clip":
+            trainer_kwargs.update(accumulate_grad_batches=2, gradient_clip_val=0.05)
+            epoch_steps = 2 * steps
+        if name.startswith("bf16"):
+            trainer_kwargs["precision"] = name.replace("_", "-")
+        if name == "s2_sched":
+            strategy_kwargs["stage"] = 2
+        if name == "auto":
+            strategy_kwargs["stage"] = "auto"
+        module = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * epoch_steps, lr=LR,
+                            scheduler=name == "s2_sched")
+    recorder = Recorder()
+    trainer = trainer_for(args, ZeroMoEStrategy(**strategy_kwargs), steps, callbacks=[recorder], **trainer_kwargs)
+    trainer.fit(module)
+    result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": recorder.steps,
+              **recorder.facts}
+    if name.endswith("_val"):
+        ckpt = args.out / name / "ckpt"
+        trainer.save_checkpoint(ckpt)
+        module.val_losses.clear()
+        trainer.validate(module, verbose=False)
+        result["val_after_fit"] = list(module.val_losses)
+        module.val_losses.clear()
+        trainer.test(module, dataloaders=module.val_dataloader(), verbose=False)
+        result["test_after_fit"] = list(module.val_losses)
+        result["predict_after_fit"] = trainer.predict(module, dataloaders=module.val_dataloader())
+        L.seed_everything(1, verbose=False)  # other initial weights: only the checkpoint can make them equal
+        fresh = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
+        fresh_trainer = trainer_for(args, ZeroMoEStrategy(ep_size=2, param_persistence_threshold=0), steps,
+                                    _name=name)
+        fresh_trainer.validate(fresh, ckpt_path=ckpt, verbose=False)
+        result["val_from_ckpt"] = list(fresh.val_losses)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", required=True, help="comma-separated run names (see the module docstring)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    args = parser.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", args.devices * args.num_nodes))
+    for name in args.runs.split(","):
+        result = one_run(name, args, world)
+        (args.out / name).mkdir(parents=True, exist_ok=True)
+        (args.out / name / f"rank{result['rank']}.json").write_text(json.dumps(result))
+        print(f"run {name}: done on rank {result['rank']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

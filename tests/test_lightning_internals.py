@@ -1,0 +1,72 @@
+"""Private Lightning hooks and torch c10d APIs we rely on still exist (an upgrade fails here, by name)."""
+
+from __future__ import annotations
+
+import inspect
+
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from typing_extensions import override  # noqa: F401  (the decorator the strategy uses)
+
+from lightning_zeromoe import _torch_private
+from lightning_zeromoe.strategy import PARENT_PRIVATE_API, ZeroMoEStrategy
+
+
+def test_private_parent_hooks_we_override_still_exist():
+    parent = DeepSpeedStrategy(config={})
+    missing = [name for name in PARENT_PRIVATE_API if not hasattr(DeepSpeedStrategy, name)
+               and not hasattr(parent, name)]
+    assert not missing, f"lightning's DeepSpeedStrategy no longer has {missing}: re-check ZeroMoEStrategy"
+    ours = [n for n, v in vars(ZeroMoEStrategy).items() if n.startswith("_") and not n.startswith("__")
+            and callable(v) and hasattr(DeepSpeedStrategy, n)]
+    assert set(ours) <= set(PARENT_PRIVATE_API), f"override not listed: {set(ours) - set(PARENT_PRIVATE_API)}"
+
+
+def test_every_overridden_hook_is_marked_override():
+    """typing_extensions.override sets __override__ on the function."""
+    unmarked = []
+    for name, value in vars(ZeroMoEStrategy).items():
+        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        if isinstance(value, property) or not callable(func) or name.startswith("__"):
+            continue
+        if any(name in vars(base) for base in ZeroMoEStrategy.__mro__[1:]):
+            if not getattr(func, "__override__", False):
+                unmarked.append(name)
+    assert not unmarked, f"overridden without @override: {unmarked}"
+
+
+def test_torch_private_c10d_api_is_present():
+    assert _torch_private.missing_private_api() == [], "torch removed a private c10d API ZeroMoEStrategy needs"
+
+
+def test_torch_private_calls_work_on_a_real_group(tmp_path):
+    """One-rank gloo group in a subprocess-free way: create, set, read back, destroy."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=timedelta(minutes=3))
+    try:
+        sub = dist.new_group([0])
+        assert sub in _torch_private.groups_of_this_rank()
+        _torch_private.set_group_timeout(timedelta(seconds=42), sub)
+        assert _torch_private.group_timeout(sub) == timedelta(seconds=42)
+        assert _torch_private.group_timeout(dist.group.WORLD) == timedelta(minutes=3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_other_module_touches_the_private_c10d_api():
+    import pathlib
+
+    root = pathlib.Path(_torch_private.__file__).resolve().parents[1]
+    offenders = []
+    for path in [*root.joinpath("lightning_zeromoe").rglob("*.py"), *root.joinpath("troubleshooter").rglob("*.py")]:
+        if path.name == "_torch_private.py":
+            continue
+        text = path.read_text()
+        for needle in ("._set_pg_timeout(", "_world.pg_map", "_rank_not_in_group(", "options._timeout"):
+            if needle in text:
+                offenders.append(f"{path.relative_to(root)}: {needle}")
+    assert not offenders, offenders
+    assert inspect.getsource(ZeroMoEStrategy)  # importable

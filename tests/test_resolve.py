@@ -1,0 +1,115 @@
+"""The config is resolved once, from the merged config: the user's stage, autoep_size and enabled
+are what is checked and used (pure functions, and the strategy in-process, no process group)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_zeromoe import ZeroMoEStrategy
+from lightning_zeromoe.config import ZeroOptions
+from lightning_zeromoe.discovery import discover
+from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.resolve import (World, check_offload_optimizer, effective_ep_size, grouped_mm_applies,
+                                       inference_config, resolve, zero_init_config)
+from lightning_zeromoe.validation import ZeroMoEConfigError
+
+WORLD = World(world_size=4, devices_per_node=4, on_cpu=True)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_after():
+    yield
+    assert not torch.distributed.is_initialized()
+
+
+def test_user_stage_is_the_stage_checked_and_used():
+    """Native MoE + user stage 2: allowed (the constructor's default stage 3 is not what runs)."""
+    from deepspeed.moe.layer import MoE
+
+    module = nn.Module()
+    module.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1, k=1)
+    out = resolve(ZeroOptions(stage=3), WORLD, discover(module), user={"zero_optimization": {"stage": 2}})
+    assert out.stage == 2 and out.config["zero_optimization"]["stage"] == 2
+    assert "stage3_prefetch_bucket_size" not in out.config["zero_optimization"], "built for stage 2, not 3"
+    with pytest.raises(ZeroMoEConfigError, match="native deepspeed.moe.layer.MoE"):
+        resolve(ZeroOptions(stage=2), WORLD, discover(module), user={"zero_optimization": {"stage": 3}})
+
+
+def test_user_autoep_size_is_validated_and_used():
+    found = discover(TinyMoEModule(TinyMoEConfig(num_experts=4)))
+    out = resolve(ZeroOptions(ep_size=2), WORLD, found, user={"expert_parallel": {"autoep_size": 4}})
+    assert out.ep_size == 4 and out.config["expert_parallel"]["autoep_size"] == 4
+    with pytest.raises(ZeroMoEConfigError, match="ep_size=4 does not divide num_experts=2"):
+        resolve(ZeroOptions(ep_size=2), WORLD, discover(TinyMoEModule(TinyMoEConfig(num_experts=2))),
+                user={"expert_parallel": {"autoep_size": 4}})
+    # Only the config asks for EP: the blocks are still located for AutoEP.
+    out = resolve(ZeroOptions(ep_size=1), WORLD, found, user={"expert_parallel": {"autoep_size": 2}})
+    assert out.ep_size == 2 and out.config["expert_parallel"]["moe_layer_pattern"] == r"model\.layers\.\d+\.mlp"
+
+
+def test_enabled_false_with_ep_size_is_refused_at_construction():
+    with pytest.raises(ZeroMoEConfigError, match=r"^\[ep-disabled-by-config\] ZeroMoEStrategy\(ep_size=2\)"):
+        ZeroMoEStrategy(ep_size=2, config={"expert_parallel": {"enabled": False}})
+    assert effective_ep_size(1, {"expert_parallel": {"enabled": False}}) == 1
+
+
+def test_launcher_check_uses_the_configs_autoep_size():
+    with pytest.raises(ZeroMoEConfigError, match="ep_size=4 does not divide the world size 2"):
+        L.Trainer(accelerator="cpu", devices=2, logger=False,
+                  strategy=ZeroMoEStrategy(ep_size=2, config={"expert_parallel": {"autoep_size": 4}}))
+
+
+def test_invalid_user_stage_is_refused():
+    with pytest.raises(ZeroMoEConfigError, match=r"^\[merged-config-invalid\] zero_optimization.stage=5"):
+        resolve(ZeroOptions(), WORLD, None, user={"zero_optimization": {"stage": 5}})
+
+
+def test_user_stage_wins_over_auto_without_asking_the_planner():
+    def planner():
+        raise AssertionError("the planner must not run when the config fixes the stage")
+
+    out = resolve(ZeroOptions(), WORLD, None, auto_stage=True, choose_stage=planner,
+                  user={"zero_optimization": {"stage": 2}})
+    assert out.stage == 2 and any("stage='auto' not consulted" in n for n in out.notes)
+
+
+def test_zero_init_config_is_stage_3_for_auto_and_the_users_stage_otherwise():
+    assert zero_init_config(ZeroOptions(stage=3), auto_stage=True)["zero_optimization"]["stage"] == 3
+    assert zero_init_config(ZeroOptions(stage=1), auto_stage=False)["zero_optimization"]["stage"] == 1
+    user = {"zero_optimization": {"stage": 2}}
+    assert zero_init_config(ZeroOptions(stage=3), auto_stage=True, user=user)["zero_optimization"]["stage"] == 2
+
+
+def test_grouped_mm_only_for_bf16_on_gpu():
+    assert grouped_mm_applies(on_cpu=False, precision="bf16-mixed")
+    assert grouped_mm_applies(on_cpu=False, precision="bf16-true")
+    assert not grouped_mm_applies(on_cpu=False, precision="32-true")
+    assert not grouped_mm_applies(on_cpu=False, precision="16-mixed")
+    assert not grouped_mm_applies(on_cpu=True, precision="bf16-true")
+    found = discover(TinyMoEModule())
+    gpu = World(world_size=2, devices_per_node=2, on_cpu=False, precision="32-true")
+    assert resolve(ZeroOptions(ep_size=2), gpu, found).config["expert_parallel"]["use_grouped_mm"] is False
+
+
+def test_inference_config_keeps_expert_parallel_unless_already_converted():
+    found = discover(TinyMoEModule())
+    config = resolve(ZeroOptions(ep_size=2, offload_optimizer=True), World(2, 2, True), found,
+                     user={"bf16": {"enabled": True}}).config
+    fresh = inference_config(config, already_converted=False)
+    assert fresh["expert_parallel"] == config["expert_parallel"] and fresh["bf16"] == {"enabled": True}
+    assert fresh["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in fresh["zero_optimization"]
+    assert "expert_parallel" not in inference_config(config, already_converted=True)
+
+
+def test_offload_with_a_torch_optimizer_is_refused_naming_deepspeed_cpu_adam():
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ZeroMoEConfigError, match=r"^\[offload-needs-ds-cpu-optimizer\] .*torch.optim.adamw.AdamW.*DeepSpeedCPUAdam"):
+        check_offload_optimizer(config, torch.optim.AdamW)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    check_offload_optimizer(config, DeepSpeedCPUAdam)  # the right optimizer passes
+    check_offload_optimizer({"zero_optimization": {"stage": 3}}, torch.optim.AdamW)  # no offload: any optimizer
+    check_offload_optimizer({**config, "zero_force_ds_cpu_optimizer": False}, torch.optim.AdamW)  # the user's call
