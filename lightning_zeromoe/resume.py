@@ -177,8 +177,10 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_universal(saved: SavedCheckpoint, log: Callable[[str], None] = print) -> tuple[Path, bool]:
-    """Convert ``saved`` with ``ds_to_universal`` unless an up-to-date conversion exists.
+def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
+                     log: Callable[[str], None] = print) -> tuple[Path, bool]:
+    """Convert ``saved`` with ``ds_to_universal`` unless an up-to-date conversion exists, and make
+    sure it holds every parameter of ``target_params`` (see :func:`add_target_names`).
 
     Returns the directory to pass to ``engine.load_checkpoint`` and whether it was converted now.
     Runs on one rank (the caller's rank 0) while the others wait; the lock also keeps two jobs
@@ -190,6 +192,7 @@ def ensure_universal(saved: SavedCheckpoint, log: Callable[[str], None] = print)
         with _locked(lock):
             marker = out / MARKER
             if marker.is_file() and json.loads(marker.read_text()).get("source") == _fingerprint(saved):
+                add_target_names(out, saved, target_params)
                 return out, False
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
             try:
@@ -197,6 +200,7 @@ def ensure_universal(saved: SavedCheckpoint, log: Callable[[str], None] = print)
                 _run_ds_to_universal(saved.tag_dir, tmp / saved.tag)
                 (tmp / MARKER).write_text(json.dumps({"source": _fingerprint(saved), "tag": saved.tag,
                                                       "saved_shape": str(saved.shape)}))
+                add_target_names(tmp, saved, target_params)
                 if out.exists():
                     shutil.rmtree(out)
                 os.replace(tmp, out)

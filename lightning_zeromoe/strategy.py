@@ -422,10 +422,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
         if self.is_global_zero:
             try:
-                outcome[0], outcome[1] = resume.ensure_universal(saved, log=rank_zero_info)
                 trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
                              for name, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad}
-                resume.add_target_names(outcome[0], saved, trainable)
+                outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, log=rank_zero_info)
             except resume.ResumeShapeError as err:
                 outcome[2] = str(err)
         outcome = self.broadcast(outcome)  # the other ranks wait here for the conversion
