@@ -23,9 +23,9 @@ What this module adds around it:
   up, ``[E, hidden, ffn]`` down); without it the model's own blocks hold ``<block>.gate.weight``
   and e.g. a fused ``gate_up_proj``. :func:`add_target_names` writes the universal tensors (weights
   *and* Adam moments, which are elementwise) under the names the target model uses.
-* :func:`to_autoep_state_dict` is the same mapping for ``load_full_weights=True``: a full state
-  dict (the model's own names, or AutoEP names with all experts) becomes what *this* rank's
-  AutoEP layers hold.
+  (The mapping itself is :mod:`lightning_zeromoe.autoep_names`; ``load_full_weights=True`` uses
+  it too, in :mod:`lightning_zeromoe.full_weights`.)
+* :func:`repair_optimizer_after_universal_load`: two DeepSpeed 0.19.8 slips in that load, undone.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import fcntl
 import io
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -44,20 +43,11 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-#: Knowledge-base entry for every refusal in this module.
-ENTRY_ID = "resume-shape-unsupported"
+from lightning_zeromoe.autoep_names import (ENTRY_ID, EXPERT_WEIGHTS as _EXPERT_WEIGHTS, BlockNames, ResumeShapeError,
+                                            block_names, fuse_experts, own_name, split_experts)
+
 SUFFIX = ".universal"
 MARKER = "zeromoe_universal.json"
-_EXPERT_WEIGHTS = ("w1", "w2", "w3")
-
-
-class ResumeShapeError(RuntimeError):
-    """A checkpoint cannot resume on the shape now running; the message says why and what to do."""
-
-    entry_id = ENTRY_ID
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"[{ENTRY_ID}] {message}")
 
 
 # ------------------------------------------------------------------ shapes
@@ -178,6 +168,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
+                     target_ep_section: Mapping[str, Any] | None = None,
                      log: Callable[[str], None] = print) -> tuple[Path, bool]:
     """Convert ``saved`` with ``ds_to_universal`` unless an up-to-date conversion exists, and make
     sure it holds every parameter of ``target_params`` (see :func:`add_target_names`).
@@ -192,7 +183,7 @@ def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[i
         with _locked(lock):
             marker = out / MARKER
             if marker.is_file() and json.loads(marker.read_text()).get("source") == _fingerprint(saved):
-                add_target_names(out, saved, target_params)
+                add_target_names(out, saved, target_params, target_ep_section)
                 return out, False
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
             try:
@@ -200,7 +191,7 @@ def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[i
                 _run_ds_to_universal(saved.tag_dir, tmp / saved.tag)
                 (tmp / MARKER).write_text(json.dumps({"source": _fingerprint(saved), "tag": saved.tag,
                                                       "saved_shape": str(saved.shape)}))
-                add_target_names(tmp, saved, target_params)
+                add_target_names(tmp, saved, target_params, target_ep_section)
                 if out.exists():
                     shutil.rmtree(out)
                 os.replace(tmp, out)
@@ -230,104 +221,28 @@ def _run_ds_to_universal(input_folder: Path, output_folder: Path) -> None:
                                f"{type(err).__name__}: {err}\n{tail}") from err
 
 
-# ------------------------------------------------------------------ names: AutoEP <-> the model's own
 
-
-@dataclass(frozen=True)
-class BlockNames:
-    """How the original MoE block names what AutoEP calls ``router.gate`` and ``experts.w1/w2/w3``."""
-
-    router: str = "gate"
-    experts: str = "experts"
-    w1: str = "gate_up_proj"
-    w2: str = "down_proj"
-    w3: str | None = None
-    shared: str = ""
-    shared_gate: str = ""
-
-
-def block_names(ep_section: Mapping[str, Any]) -> BlockNames:
-    """The names AutoEP resolved from its preset and the config's overrides."""
-    values: dict[str, Any] = {}
-    preset_name = ep_section.get("preset_model")
-    if preset_name:
-        from deepspeed.module_inject.auto_ep_presets.registry import get_preset
-
-        preset = get_preset(preset_name)
-        values = dict(router=preset.router_pattern, experts=preset.experts_pattern, w1=preset.expert_w1,
-                      w2=preset.expert_w2, w3=preset.expert_w3,
-                      shared=preset.shared_experts_pattern if preset.has_shared_experts else "",
-                      shared_gate=preset.shared_experts_gate_pattern if preset.has_shared_experts else "")
-    for key, ours in (("router_pattern", "router"), ("expert_pattern", "experts"), ("expert_w1", "w1"),
-                      ("expert_w2", "w2"), ("expert_w3", "w3"), ("shared_experts_pattern", "shared"),
-                      ("shared_experts_gate_pattern", "shared_gate")):
-        if key in ep_section:
-            values[ours] = ep_section[key]
-    return BlockNames(**values)
-
-
-def own_name(autoep_local: str, names: BlockNames) -> str | None:
-    """``router.gate.weight`` -> ``gate.weight`` (dense tensors of an AutoEP layer; experts excluded)."""
-    if autoep_local.startswith("router.gate."):
-        return f"{names.router}.{autoep_local[len('router.gate.'):]}"
-    for ours, theirs in (("shared_experts_gate.", names.shared_gate), ("shared_experts.", names.shared)):
-        if autoep_local.startswith(ours) and theirs:
-            return theirs + "." + autoep_local[len(ours):]
-    return None
-
-
-def fuse_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, names: BlockNames,
-                 target_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """AutoEP's ``w1/w3 [E, ffn, hidden]``, ``w2 [E, hidden, ffn]`` -> the original block's tensors.
-
-    The inverse of ``deepspeed/moe/ep_repack.py::_repack_fused_3d``: the target's own shapes tell
-    the fused layout (``gate_up_first [E, 2*ffn, hidden]`` or ``hidden_first [E, hidden, 2*ffn]``).
-    """
-    if names.w3 is not None:
-        return {names.w1: w1, names.w3: w3, names.w2: w2}
-    num, ffn, hidden = w1.shape
-    fused = tuple(target_shapes.get(names.w1, ()))
-    if fused == (num, 2 * ffn, hidden):
-        return {names.w1: torch.cat([w1, w3], dim=1), names.w2: w2}
-    if fused == (num, hidden, 2 * ffn):
-        return {names.w1: torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous(),
-                names.w2: w2.transpose(1, 2).contiguous()}
-    raise ResumeShapeError(f"the model's {names.w1} has shape {list(fused)}, which fits neither fused layout of "
-                           f"{num} experts x ffn {ffn} x hidden {hidden}; the checkpoint belongs to another model.")
-
-
-def split_experts(tensors: Mapping[str, torch.Tensor], names: BlockNames) -> dict[str, torch.Tensor]:
-    """The original block's expert tensors (all experts) -> AutoEP's ``w1, w2, w3``."""
-    if names.w3 is not None:
-        return {"w1": tensors[names.w1], "w2": tensors[names.w2], "w3": tensors[names.w3]}
-    from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
-
-    gate_up, down = tensors[names.w1], tensors[names.w2]
-    layout = classify_fused_gate_up_layout(tuple(gate_up.shape), tuple(down.shape))
-    if layout is None:
-        raise ResumeShapeError(f"{names.w1} {list(gate_up.shape)} and {names.w2} {list(down.shape)} are no fused "
-                               "expert layout AutoEP knows.")
-    ffn = layout.ffn_hidden_size
-    if layout.layout == "gate_up_first":
-        return {"w1": gate_up[:, :ffn], "w3": gate_up[:, ffn:], "w2": down}
-    return {"w1": gate_up[:, :, :ffn].transpose(1, 2), "w3": gate_up[:, :, ffn:].transpose(1, 2),
-            "w2": down.transpose(1, 2)}
-
-
-def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]]) -> list[str]:
+def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
+                     target_ep_section: Mapping[str, Any] | None = None) -> list[str]:
     """Make every parameter the target engine will look up exist in the universal checkpoint.
 
-    ``target_params``: the trainable parameters of the engine's module, name -> full shape. With the
-    same expert parallelism on both sides the names already match. From AutoEP to no expert
-    parallelism the AutoEP tensors are written again under the model's own names. Idempotent.
-    Returns the names written. Raises listing what is still missing.
+    ``target_params``: the trainable parameters of the engine's module, name -> shape as DeepSpeed
+    records it (``ds_shape``). With expert parallelism on both sides the names already match.
+    From AutoEP to none, the AutoEP tensors are written again under the model's own names; from
+    none to AutoEP (``target_ep_section`` names the blocks' tensors), the other way round.
+    Idempotent. Returns the names written. Raises listing what is still missing.
     """
     zero = uc_dir / saved.tag / "zero"
     written = []
-    if saved.experts and not any(".experts.w1" in n for n in target_params):
+    target_blocks = sorted({n[:-len(".experts.w1")] for n in target_params if n.endswith(".experts.w1")})
+    if saved.experts and not target_blocks:
         names = block_names(saved.ep_section)
         for block in saved.experts:
             written += _write_own_names(zero, block, names, target_params)
+    elif target_blocks and not saved.experts:
+        names = block_names(target_ep_section or {})
+        for block in target_blocks:
+            written += _write_autoep_names(zero, block, names, target_params)
     missing = sorted(n for n in target_params if not (zero / n / "fp32.pt").is_file())
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
@@ -359,16 +274,64 @@ def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: M
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
         parts = {}
         for w in _EXPERT_WEIGHTS:
-            src = zero / f"{block}.experts.{w}" / f"{key}.pt"
-            if not src.is_file():
-                raise ResumeShapeError(f"{src} is missing from the converted checkpoint.")
-            parts[w] = torch.load(src, map_location="cpu", weights_only=True)["param"]
+            parts[w] = _load_state(zero / f"{block}.experts.{w}" / f"{key}.pt")
         for target, tensor in fuse_experts(parts["w1"], parts["w2"], parts["w3"], names, shapes).items():
             dest = zero / (experts_prefix + target)
             dest.mkdir(exist_ok=True)
             torch.save({"param": tensor.contiguous()}, dest / f"{key}.pt")
     written += [experts_prefix + t for t in targets]
     return written
+
+
+def _load_state(path: Path) -> torch.Tensor:
+    """One universal state file: DeepSpeed writes a bare tensor or ``{"param": tensor, ...}``."""
+    if not path.is_file():
+        raise ResumeShapeError(f"{path} is missing from the converted checkpoint.")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return state["param"] if isinstance(state, dict) else state
+
+
+def _saved_shapes(tag_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Full parameter shapes as the source run's model states list them (``param_shapes``)."""
+    files = sorted(tag_dir.glob("*_model_states.pt"))
+    state = torch.load(files[0], map_location="cpu", weights_only=False) if files else {}
+    return {name: tuple(shape) for group in state.get("param_shapes", []) for name, shape in group.items()}
+
+
+def _write_autoep_names(zero: Path, block: str, names: BlockNames,
+                        target_params: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """No expert parallelism -> AutoEP: the inverse of :func:`_write_own_names`."""
+    from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
+
+    written = []
+    for name in target_params:
+        local = name[len(block) + 1:] if name.startswith(block + ".") else None
+        if local is None or local.startswith("experts."):
+            continue
+        own = own_name(local, names)
+        src, dest = zero / f"{block}.{own}", zero / name
+        if own is not None and src.is_dir() and not dest.exists():
+            shutil.copytree(src, dest)
+            written.append(name)
+    if all((zero / f"{block}.experts.{w}" / "fp32.pt").is_file() for w in _EXPERT_WEIGHTS):
+        return written
+    prefix = f"{block}.{names.experts}."
+    sources = [n for n in (names.w1, names.w2, names.w3) if n]
+    shapes = _saved_shapes(zero.parent)  # ZeRO-3 universal files of dense tensors are flat
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        full = {}
+        for n in sources:
+            if prefix + n not in shapes:
+                raise ResumeShapeError(f"{prefix + n}: the checkpoint has no such parameter, so its experts cannot "
+                                       "be split for expert parallelism; resume with the model that was trained.")
+            full[n] = _load_state(zero / (prefix + n) / f"{key}.pt").reshape(shapes[prefix + n])
+        parts = split_experts(full, names)
+        for w, tensor in parts.items():
+            dest = zero / f"{block}.experts.{w}"
+            dest.mkdir(exist_ok=True)
+            torch.save({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
+                        EP_NUM_EXPERTS: int(tensor.shape[0])}, dest / f"{key}.pt")
+    return written + [f"{block}.experts.{w}" for w in _EXPERT_WEIGHTS]
 
 
 @contextlib.contextmanager
@@ -418,92 +381,5 @@ def repair_optimizer_after_universal_load(engine: Any, uc_dir: Path, tag: str) -
     return repaired
 
 
-# ------------------------------------------------------------------ load_full_weights
-
-
-def autoep_layers(module: torch.nn.Module) -> dict[str, Any]:
-    """The AutoEP layers of a module, by path."""
-    return {name: m for name, m in module.named_modules() if getattr(type(m), "_is_autoep_layer", False)}
-
-
-def local_experts(layer: Any) -> list[int]:
-    """Global ids of the experts this rank's AutoEP layer holds, in its packed order."""
-    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
-
-    return list(autoep_experts_for_rank(layer.expert_placement_descriptor, layer.ep_rank))
-
-
-def to_autoep_state_dict(state_dict: Mapping[str, torch.Tensor], module: torch.nn.Module,
-                         ep_section: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """A full state dict -> the tensors this rank's (AutoEP-converted) module holds.
-
-    Accepted for each AutoEP layer: the model's own names (``<block>.gate.weight``,
-    ``<block>.experts.gate_up_proj`` with all experts: a plain single-process checkpoint) or
-    AutoEP's names with all experts. Expert tensors are cut to this rank's experts. Other keys
-    pass through unchanged.
-    """
-    out = dict(state_dict)
-    layers = autoep_layers(module)
-    if not layers:
-        return out
-    names = block_names(ep_section)
-    for path, layer in layers.items():
-        ids = local_experts(layer)
-        for local_name, _ in layer.named_parameters(remove_duplicate=True):
-            if local_name.startswith("experts."):
-                continue
-            own = own_name(local_name, names)
-            if own is not None and f"{path}.{own}" in out and f"{path}.{local_name}" not in out:
-                out[f"{path}.{local_name}"] = out.pop(f"{path}.{own}")
-        experts_prefix = f"{path}.{names.experts}."
-        own_keys = [experts_prefix + n for n in (names.w1, names.w2, names.w3) if n]
-        if all(k in out for k in own_keys):
-            full = split_experts({k[len(experts_prefix):]: out.pop(k) for k in own_keys}, names)
-        else:
-            full = {w: out.pop(f"{path}.experts.{w}") for w in _EXPERT_WEIGHTS if f"{path}.experts.{w}" in out}
-        for w, tensor in full.items():
-            if tensor.shape[0] != layer.num_experts:
-                raise ResumeShapeError(f"{path}.experts.{w}: the state dict holds {tensor.shape[0]} experts, the "
-                                       f"layer has {layer.num_experts}; load_full_weights needs every expert.")
-            out[f"{path}.experts.{w}"] = tensor[ids].contiguous()
-    return out
-
-
-def load_gathered(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a state dict into a ZeRO-3 module, module by module, on *every* rank.
-
-    Each module's own parameters are gathered, loaded, and broadcast from the first rank of their
-    partition group (the world for dense parameters, the expert-data-parallel group for experts,
-    whose members hold the same experts). Collective: every rank must call it.
-    """
-    import deepspeed
-
-    metadata = getattr(state_dict, "_metadata", None)
-    missing: list[str] = []
-    unexpected: list[str] = []
-    errors: list[str] = []
-
-    def load(mod: torch.nn.Module, prefix: str) -> None:
-        local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
-        with deepspeed.zero.GatheredParameters(list(mod.parameters(recurse=False)), modifier_rank=0):
-            mod._load_from_state_dict(dict(state_dict), prefix, local_metadata, True, missing, unexpected, errors)
-        for name, child in mod._modules.items():
-            if child is not None:
-                load(child, prefix + name + ".")
-
-    load(module, "")
-    known = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
-    unexpected = sorted(k for k in state_dict if k not in known)
-    if strict and (missing or unexpected or errors):
-        parts = [f"missing {missing[:6]}" if missing else "", f"unexpected {unexpected[:6]}" if unexpected else "",
-                 "; ".join(errors[:3])]
-        raise ResumeShapeError("load_full_weights: the state dict does not fit the model: "
-                               + "; ".join(p for p in parts if p) + ". Load a checkpoint of this model (its own "
-                               "names, or AutoEP names with every expert), or pass strict_loading=False.")
-    if errors:
-        raise ResumeShapeError("load_full_weights: " + "; ".join(errors[:3]))
-
-
-__all__ = ["ENTRY_ID", "BlockNames", "ResumeShapeError", "SavedCheckpoint", "Shape", "add_target_names",
-           "block_names", "ensure_universal", "fuse_experts", "plan_resume", "read_saved", "split_experts",
-           "to_autoep_state_dict", "universal_dir", "universal_loading"]
+__all__ = ["ENTRY_ID", "ResumeShapeError", "SavedCheckpoint", "Shape", "add_target_names", "ensure_universal",
+           "plan_resume", "read_saved", "repair_optimizer_after_universal_load", "universal_dir", "universal_loading"]

@@ -424,7 +424,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             try:
                 trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
                              for name, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad}
-                outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, log=rank_zero_info)
+                outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, self.config.get("expert_parallel"),
+                                                                 log=rank_zero_info)
             except resume.ResumeShapeError as err:
                 outcome[2] = str(err)
         outcome = self.broadcast(outcome)  # the other ranks wait here for the conversion
@@ -451,14 +452,14 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         rank cuts its own experts from the state dict (which every rank has read) before the same
         gather-load-broadcast, and missing or unexpected keys are an error when ``strict``.
         """
-        from lightning_zeromoe import resume
+        from lightning_zeromoe.full_weights import load_gathered, to_autoep_state_dict
 
         if not (self.load_full_weights and self.zero_stage_3):
             return super().load_model_state_dict(checkpoint, strict=strict)
         self.model_to_device()
-        state = resume.to_autoep_state_dict(checkpoint["state_dict"], self.lightning_module,
-                                            self.config.get("expert_parallel", {}))
-        resume.load_gathered(self.lightning_module, state, strict=strict)
+        state = to_autoep_state_dict(checkpoint["state_dict"], self.lightning_module,
+                                     self.config.get("expert_parallel", {}))
+        load_gathered(self.lightning_module, state, strict=strict)
 
 
 @contextmanager

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from jobs_util import JOBS, read_ranks, run, run_job
-from lightning_zeromoe import resume
+from lightning_zeromoe import autoep_names, resume
 from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, EPOCH_STEPS, GLOBAL_BATCH, LR, SAVED_AT = 10, 5, 8, 3e-3, 5
@@ -186,24 +186,24 @@ def test_plan_resume_refuses_what_cannot_work(target, experts, message):
 
 @pytest.mark.parametrize("fused_shape", ["gate_up_first", "hidden_first"])
 def test_fuse_is_the_inverse_of_split(fused_shape):
-    names = resume.BlockNames()
+    names = autoep_names.BlockNames()
     num, ffn, hidden = 4, 6, 5
     gate_up = torch.arange(num * 2 * ffn * hidden, dtype=torch.float32)
     gate_up = gate_up.view(num, 2 * ffn, hidden) if fused_shape == "gate_up_first" else gate_up.view(num, hidden, 2 * ffn)
     down = torch.arange(num * hidden * ffn, dtype=torch.float32)
     down = down.view(num, hidden, ffn) if fused_shape == "gate_up_first" else down.view(num, ffn, hidden)
-    parts = resume.split_experts({"gate_up_proj": gate_up, "down_proj": down}, names)
+    parts = autoep_names.split_experts({"gate_up_proj": gate_up, "down_proj": down}, names)
     assert parts["w1"].shape == parts["w3"].shape == (num, ffn, hidden) and parts["w2"].shape == (num, hidden, ffn)
-    back = resume.fuse_experts(parts["w1"], parts["w2"], parts["w3"], names,
+    back = autoep_names.fuse_experts(parts["w1"], parts["w2"], parts["w3"], names,
                                {"gate_up_proj": tuple(gate_up.shape), "down_proj": tuple(down.shape)})
     assert torch.equal(back["gate_up_proj"], gate_up) and torch.equal(back["down_proj"], down)
 
 
 def test_block_names_follow_the_preset_and_the_config():
-    assert resume.block_names({"preset_model": "mixtral"}).router == "gate"
-    custom = resume.block_names({"router_pattern": "router", "expert_w1": "w_in", "expert_w3": "w_up"})
+    assert autoep_names.block_names({"preset_model": "mixtral"}).router == "gate"
+    custom = autoep_names.block_names({"router_pattern": "router", "expert_w1": "w_in", "expert_w3": "w_up"})
     assert (custom.router, custom.w1, custom.w3) == ("router", "w_in", "w_up")
-    assert resume.own_name("router.gate.weight", custom) == "router.weight"
+    assert autoep_names.own_name("router.gate.weight", custom) == "router.weight"
 
 
 def test_deepspeed_private_flag_for_universal_loading_still_exists():

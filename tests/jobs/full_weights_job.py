@@ -45,7 +45,7 @@ class Holdings(L.Callback):
     def on_train_start(self, trainer, module) -> None:
         import deepspeed
 
-        from lightning_zeromoe.resume import autoep_layers, local_experts
+        from lightning_zeromoe.autoep_names import autoep_layers, local_experts
 
         engine_module = trainer.strategy.deepspeed_engine.module
         params = dict(engine_module.named_parameters())
