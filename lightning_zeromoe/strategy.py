@@ -503,6 +503,72 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             rank_zero_warn(f"ZeroMoEStrategy: could not write {META_FILE} into {filepath} ({type(err).__name__}: "
                            f"{err}); the checkpoint resumes normally but `zeromoe-export` cannot convert it.")
 
+    # ------------------------------------------------------------------ resume (lightning_zeromoe.resume)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Resume a DeepSpeed checkpoint, on another world size / ``ep_size`` too.
+
+        The same shape loads as Lightning does. Another shape goes through DeepSpeed's universal
+        checkpoint: rank 0 converts it once into ``<checkpoint>.universal`` (reused later), the
+        other ranks wait, and every rank re-partitions weights and optimizer state for itself.
+        """
+        if self.load_full_weights and self.zero_stage_3:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from lightning.pytorch.strategies.deepspeed import _validate_checkpoint_directory
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        from lightning_zeromoe import resume
+
+        _validate_checkpoint_directory(checkpoint_path)
+        saved = resume.read_saved(checkpoint_path)
+        stage = int(self.config.get("zero_optimization", {}).get("stage", self.options.stage))
+        target = resume.Shape(world_size=self.world_size, ep_size=self.options.ep_size, stage=stage)
+        blocks = {b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])}
+        if not resume.plan_resume(saved, target, blocks):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        start = time.monotonic()
+        outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
+        if self.is_global_zero:
+            try:
+                trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
+                             for name, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad}
+                outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, self.config.get("expert_parallel"),
+                                                                 log=rank_zero_info)
+            except resume.ResumeShapeError as err:
+                outcome[2] = str(err)
+        outcome = self.broadcast(outcome)  # the other ranks wait here for the conversion
+        if outcome[2]:
+            raise resume.ResumeShapeError(outcome[2].split("] ", 1)[-1])
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        with resume.universal_loading(self.deepspeed_engine):
+            _, client_state = self.deepspeed_engine.load_checkpoint(
+                str(outcome[0]), load_optimizer_states=fitting, load_lr_scheduler_states=False,
+                load_module_strict=self.lightning_module.strict_loading)
+        if fitting:
+            resume.repair_optimizer_after_universal_load(self.deepspeed_engine, outcome[0], saved.tag)
+        rank_zero_info(f"ZeroMoEStrategy: resumed {saved.path} ({saved.shape}) on {target} through DeepSpeed's "
+                       f"universal checkpoint {outcome[0]} ({'converted' if outcome[1] else 'reused'}, "
+                       f"{time.monotonic() - start:.1f} s)")
+        return client_state
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """``load_full_weights=True``: every rank loads its own experts from the full state dict.
+
+        Lightning loads on global rank 0 only and lets ``GatheredParameters`` broadcast, but an
+        expert parameter is broadcast from the first rank of its expert-data-parallel group, which
+        holds other experts than rank 0 (and Lightning drops the size mismatch silently). Here each
+        rank cuts its own experts from the state dict (which every rank has read) before the same
+        gather-load-broadcast, and missing or unexpected keys are an error when ``strict``.
+        """
+        from lightning_zeromoe.full_weights import load_gathered, to_autoep_state_dict
+
+        if not (self.load_full_weights and self.zero_stage_3):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self.model_to_device()
+        state = to_autoep_state_dict(checkpoint["state_dict"], self.lightning_module,
+                                     self.config.get("expert_parallel", {}))
+        load_gathered(self.lightning_module, state, strict=strict)
+
 
 @contextmanager
 def lend_root_config(model: Module, config: Any) -> Iterator[None]:
