@@ -10,14 +10,15 @@ scaled up: ``--hidden``, ``--layers``, 8 experts, 1 optimizer step, saved by
     (``--num_extract_workers 1 --num_merge_workers 1``), which also reads every rank's fp32
     partitions and writes one file per parameter.
 
-Reported per size and path: wall seconds, throughput (fp32 master MB / s) and peak RSS (the
-process's ``ru_maxrss``, plus its children's for (b), which may fork workers), medians over the
-repeats. Flat means (a)'s peak RSS barely moves while the checkpoint grows ~10x.
+Reported per size and path: wall seconds of the conversion itself (imports excluded, measured
+after them), throughput (fp32 master MB / s), peak RSS (the process's ``ru_maxrss``, or its
+children's if larger, for (b), which may fork workers) and the RSS after imports, medians over
+the repeats. Flat means (a)'s peak RSS barely moves while the checkpoint grows ~10x.
 
 Usage (repository root)::
 
     .venv/bin/python benchmarks/export_scaling.py                       # 0.2 GB and 2 GB (hidden 1024, 1 and 9 layers)
-    .venv/bin/python benchmarks/export_scaling.py --hidden 512 --layers 1 8 --repeats 3
+    .venv/bin/python benchmarks/export_scaling.py --hidden 512 --layers 1 8 --max-shard-size 20MB --repeats 3
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 _MEASURE = """
 import json, resource, sys, time
+{setup}
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
-{body}
+{run}
 wall = time.perf_counter() - t0
 rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-print(json.dumps({{"wall": wall, "rss": rss * 1024}}))
+print(json.dumps({{"wall": wall, "rss": rss * 1024, "base": base * 1024}}))
 """
 
 
@@ -62,8 +65,9 @@ def make_checkpoint(hidden: int, layers: int, out: Path) -> None:
     trainer.save_checkpoint(out)
 
 
-def _measure(body: str, env: dict[str, str]) -> dict[str, float]:
-    proc = subprocess.run([sys.executable, "-c", _MEASURE.format(body=body)], capture_output=True, text=True,
+def _measure(setup: str, run: str, env: dict[str, str]) -> dict[str, float]:
+    """Run ``setup`` (imports, not timed) then ``run`` in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURE.format(setup=setup, run=run)], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -75,7 +79,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 9])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-shard-size", default="500MB")
+    parser.add_argument("--max-shard-size", default="100MB", help="below the smaller model, so both are sharded")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--make", nargs=2, metavar=("LAYERS", "OUT"), help=argparse.SUPPRESS)
@@ -100,12 +104,12 @@ def main() -> None:
         for rep in range(args.repeats):
             out = work / f"out_L{layers}_{rep}"
             results["export"].append(_measure(
-                "from lightning_zeromoe.checkpoint import export\n"
+                "import huggingface_hub, safetensors.torch\nfrom lightning_zeromoe.checkpoint import export",
                 f"export({str(ckpt)!r}, {str(out)!r}, dtype='float32', max_shard_size={args.max_shard_size!r}, "
                 "progress=False, overwrite=True)", env))
             uni = work / f"uni_L{layers}_{rep}"
             results["ds_to_universal"].append(_measure(
-                "import runpy, sys\n"
+                "import runpy, sys\nimport deepspeed.checkpoint.ds_to_universal",
                 f"sys.argv = ['ds_to_universal', '--input_folder', {str(ckpt / 'checkpoint')!r}, '--output_folder', "
                 f"{str(uni)!r}, '--num_extract_workers', '1', '--num_merge_workers', '1', '--no_strict']\n"
                 "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__')", env))
@@ -113,13 +117,17 @@ def main() -> None:
         for path, runs in results.items():
             wall = statistics.median(r["wall"] for r in runs)
             rss = statistics.median(r["rss"] for r in runs) / 2**20
+            base = statistics.median(r["base"] for r in runs) / 2**20
             rows.append({"layers": layers, "fp32_mb": round(fp32_mb), "path": path, "wall_s": round(wall, 2),
                          "mb_per_s": round(fp32_mb / wall, 1), "peak_rss_mib": round(rss),
+                         "rss_after_imports_mib": round(base),
                          "rss_runs_mib": [round(r["rss"] / 2**20) for r in runs]})
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| fp32 master state | path | wall s (median) | MB/s | peak RSS MiB (median) |\n|---|---|---:|---:|---:|")
+    print("\n| fp32 master state | path | wall s (median) | MB/s | peak RSS MiB (median) | of which after imports |"
+          "\n|---|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['fp32_mb']} MB | {r['path']} | {r['wall_s']} | {r['mb_per_s']} | {r['peak_rss_mib']} |")
+        print(f"| {r['fp32_mb']} MB | {r['path']} | {r['wall_s']} | {r['mb_per_s']} | {r['peak_rss_mib']} | "
+              f"{r['rss_after_imports_mib']} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -376,38 +376,40 @@ def test_lora_run_exports_merged_model_and_peft_adapter(variants, tmp_path):
 
 
 def test_streaming_export_memory_stays_near_one_shard(variants, tmp_path):
-    """Export a model whose weights are many times the shard size; peak RSS grows by at most
-    3 x max_shard_size + the largest tensor (+ 16 MB allocator slack) over the interpreter with
-    everything imported. Reading the whole model, as the previous exporter did, exceeds it."""
+    """Export a model whose weights are many times the shard size. Peak RSS (Linux VmHWM, reset
+    after the imports and a warm-up of the shard planner, whose first call imports ~40 MB of
+    modules) grows by at most 3 x max(max_shard_size, largest tensor) + 8 MiB: the shard being
+    written, safetensors' serialisation copy of it, and the fp32 source pages read for it.
+    Holding the whole model, as the previous exporter did, exceeds it."""
     ckpt = variants["runs"]["wide"]["ckpt_path"]
     shard = 1_000_000
     code = f"""
-import json, resource, torch, safetensors.torch, huggingface_hub, rich.progress
+import json, math, re, torch, safetensors.torch, rich.progress
+from huggingface_hub import split_torch_state_dict_into_shards
+from pathlib import Path
+split_torch_state_dict_into_shards({{"w": torch.empty(2, device="meta")}})
 from lightning_zeromoe.checkpoint import export
 from lightning_zeromoe.checkpoint.meta import read_meta
-from pathlib import Path
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 meta = read_meta(Path({ckpt!r}) / "zeromoe_meta.json")
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+base = status("VmRSS")
 export({ckpt!r}, {str(tmp_path / "wide")!r}, max_shard_size={shard}, progress=False)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-sizes = [4 * __import__("math").prod(s) for s in meta.shapes.values()]
-print(json.dumps({{"base": base, "peak": peak, "model": sum(sizes), "largest": max(sizes)}}))
+sizes = [4 * math.prod(s) for s in meta.shapes.values()]
+print(json.dumps({{"base": base, "peak": status("VmHWM"), "model": sum(sizes), "largest": max(sizes)}}))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=job_env(),
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
-    bound = 3 * shard + m["largest"] + 16 * 2**20
+    bound = 3 * max(shard, m["largest"]) + 8 * 2**20
     grew = m["peak"] - m["base"]
     print(f"wide: model {m['model'] / 2**20:.1f} MiB fp32, largest tensor {m['largest'] / 2**20:.1f} MiB, "
           f"peak RSS grew {grew / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB)")
-    assert m["model"] > 10 * shard and m["model"] > 2 * bound, "the model must be many times the bound"
+    assert m["model"] > 50 * shard and m["model"] > 2 * bound, "the model must be well over the bound"
     assert grew < bound
     assert len(list((tmp_path / "wide").glob("model-*.safetensors"))) >= 10
-
-
-class Unpicklable:
-    """Stands for a user's class in a LightningModule's hyper-parameters."""
 
 
 def test_checkpoint_holding_a_custom_class_is_refused_unless_trusted(tiny, tmp_path):

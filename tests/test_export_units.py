@@ -18,6 +18,7 @@ from lightning_zeromoe.checkpoint.meta import ExpertBlock, ExportMeta
 from lightning_zeromoe.checkpoint.partition import (GroupRecord, flat_slices, global_expert_ids, group_records,
                                                     join_pieces, partition_members, read_slice, stack_experts)
 from lightning_zeromoe.checkpoint.plan import expert_outputs
+from lightning_zeromoe.checkpoint.sources import ExpertSource, Reader
 
 
 def _partition(tensors: dict[str, torch.Tensor], count: int) -> list[torch.Tensor]:
@@ -91,39 +92,56 @@ def test_experts_from_two_ep_ranks_are_stacked_in_global_order():
 
 
 class _Fixed:
-    """A source the plan reads through ``reader.read``: here, a fixed tensor."""
+    """A source holding a fixed tensor (what a rank's shard piece would hold)."""
 
     def __init__(self, tensor):
         self.tensor = tensor
 
 
-class _Reader:
+class _Reader(Reader):
     def read(self, source):
-        return source.tensor
+        return source.tensor if isinstance(source, _Fixed) else super().read(source)
 
 
+def _by_ep_rank(name: str, t: torch.Tensor) -> ExpertSource:
+    """The pieces 2 expert-parallel ranks hold: rank 1 the odd experts, rank 0 the even ones."""
+    return ExpertSource(name, t.shape[0], (((1, 3), _Fixed(t[1::2].contiguous())), ((0, 2), _Fixed(t[0::2].contiguous()))))
+
+
+@pytest.mark.parametrize("pieces", ["whole", "expert_parallel"])
 @pytest.mark.parametrize("layout", ["gate_up_first", "hidden_first", "separate"])
-def test_experts_go_back_to_the_layout_the_model_used(layout):
-    """AutoEP's repack (deepspeed/moe/ep_repack.py) applied to an arange model tensor, then undone."""
-    e, ffn, hidden = 2, 3, 4
+def test_experts_go_back_to_the_layout_the_model_used(layout, pieces):
+    """AutoEP's repack (deepspeed/moe/ep_repack.py) applied to an arange model tensor, then undone,
+    from whole tensors (ZeRO-1/2 files stacked) or from 2 expert-parallel ranks' pieces."""
+    e, ffn, hidden = 4, 3, 2
     if layout == "gate_up_first":
-        gate_up, down = torch.arange(e * 2 * ffn * hidden * 1.0).reshape(e, 2 * ffn, hidden), torch.arange(e * hidden * ffn * 1.0).reshape(e, hidden, ffn)
+        gate_up = torch.arange(e * 2 * ffn * hidden * 1.0).reshape(e, 2 * ffn, hidden)
+        down = -torch.arange(e * hidden * ffn * 1.0).reshape(e, hidden, ffn)
         w1, w3, w2 = gate_up[:, :ffn], gate_up[:, ffn:], down
         targets, want = {"gate_up": "gu", "down": "d"}, {"gu": gate_up, "d": down}
     elif layout == "hidden_first":
-        gate_up, down = torch.arange(e * hidden * 2 * ffn * 1.0).reshape(e, hidden, 2 * ffn), torch.arange(e * ffn * hidden * 1.0).reshape(e, ffn, hidden)
+        gate_up = torch.arange(e * hidden * 2 * ffn * 1.0).reshape(e, hidden, 2 * ffn)
+        down = -torch.arange(e * ffn * hidden * 1.0).reshape(e, ffn, hidden)
         w1, w3, w2 = gate_up[:, :, :ffn].transpose(1, 2), gate_up[:, :, ffn:].transpose(1, 2), down.transpose(1, 2)
         targets, want = {"gate_up": "gu", "down": "d"}, {"gu": gate_up, "d": down}
     else:
-        w1, w3 = torch.arange(24.0).reshape(e, ffn, hidden), -torch.arange(24.0).reshape(e, ffn, hidden)
-        w2 = torch.arange(24.0).reshape(e, hidden, ffn)
+        w1, w3 = torch.arange(e * ffn * hidden * 1.0).reshape(e, ffn, hidden), -torch.arange(e * ffn * hidden * 1.0).reshape(e, ffn, hidden)
+        w2 = torch.arange(e * hidden * ffn * 1.0).reshape(e, hidden, ffn)
         targets, want = {"gate": "g", "up": "u", "down": "d"}, {"g": w1, "u": w3, "d": w2}
-    block = ExpertBlock("m", e, e, 1, layout, {}, targets)
-    built = expert_outputs(block, {"w1": _Fixed(w1.contiguous()), "w2": _Fixed(w2.contiguous()),
-                                   "w3": _Fixed(w3.contiguous())})
+    block = ExpertBlock("m", e, e // 2, 2, layout, {}, targets)
+    wrap = (lambda n, t: _Fixed(t.contiguous())) if pieces == "whole" else _by_ep_rank
+    built = expert_outputs(block, {"w1": wrap("w1", w1), "w2": wrap("w2", w2), "w3": wrap("w3", w3)},
+                           {n: list(t.shape) for n, t in want.items()})
     assert set(built) == set(want)
     for name, build in built.items():
         assert torch.equal(build(_Reader()), want[name]), name
+
+
+def test_expert_pieces_must_cover_every_expert():
+    t = torch.arange(8.0).reshape(4, 2)
+    holes = ExpertSource("w1", 4, (((0, 1), _Fixed(t[:2])), ((1, 2), _Fixed(t[2:]))))
+    with pytest.raises(ExportError, match=r"w1: experts \[0, 1, 1, 2\] found, expected 0..3"):
+        _Reader().read(holes)
 
 
 def test_meta_round_trips_and_refuses_other_versions():
@@ -149,3 +167,26 @@ def test_version_1_meta_is_still_read():
                        "layout": "gate_up_first", "sources": {}, "targets": {}}]}
     meta = ExportMeta.from_json(json.dumps(v1))
     assert meta.zero_stage == 3 and meta.model.class_name == "m.C" and meta.experts[0].layout == "gate_up_first"
+
+
+def test_lora_merge_and_adapter_names():
+    """W + (alpha / r) * B @ A under the base name; the adapter under PEFT's saved names."""
+    from lightning_zeromoe.checkpoint.lora import split_lora
+    from lightning_zeromoe.checkpoint.meta import LoraAdapter
+    from lightning_zeromoe.checkpoint.plan import OutputTensor
+
+    w, a, b = torch.arange(12.0).reshape(3, 4), torch.arange(8.0).reshape(2, 4) / 10, torch.arange(6.0).reshape(3, 2)
+    fixed = lambda t: (lambda reader: t)  # noqa: E731
+    outputs = [OutputTensor("m.q.base_layer.weight", (3, 4), fixed(w)), OutputTensor("m.q.base_layer.bias", (3,), fixed(w[:, 0])),
+               OutputTensor("m.q.lora_A.default.weight", (2, 4), fixed(a)),
+               OutputTensor("m.q.lora_B.default.weight", (3, 2), fixed(b)), OutputTensor("m.norm.weight", (4,), fixed(w[0]))]
+    adapter = LoraAdapter("default", {"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_rslora": False})
+    merged, tensors = split_lora(outputs, [adapter])
+    assert [o.name for o in merged] == ["m.q.weight", "m.q.bias", "m.norm.weight"]
+    assert torch.allclose(merged[0].build(None), w + 4.0 * (b @ a))
+    assert torch.equal(merged[1].build(None), w[:, 0])
+    assert [o.name for o in tensors] == ["base_model.model.m.q.lora_A.weight", "base_model.model.m.q.lora_B.weight"]
+    rs = LoraAdapter("default", {"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_rslora": True})
+    assert torch.allclose(split_lora(outputs, [rs])[0][0].build(None), w + 8 / math.sqrt(2) * (b @ a))
+    with pytest.raises(ExportError, match=r"^\[export-unsupported-model\] .*use_dora=True"):
+        split_lora(outputs, [LoraAdapter("default", {"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_dora": True})])

@@ -124,11 +124,16 @@ def global_expert_ids(layer: Mapping[str, Any]) -> list[int]:
     return list(range(int(layer["global_expert_start"]), int(layer["global_expert_end"])))
 
 
+def check_expert_ids(found: Sequence[int], num_experts: int, *, name: str) -> None:
+    """The expert-parallel ranks' pieces together hold every global id 0..E-1 exactly once."""
+    if sorted(found) != list(range(num_experts)):
+        raise ExportError(SHARDS_MISMATCH, f"{name}: experts {sorted(found)} found, expected 0..{num_experts - 1}. "
+                          "Copy every rank's files from one save.")
+
+
 def stack_experts(parts: Mapping[int, Any], num_experts: int, *, name: str) -> Any:
     """``[E, ...]`` from ``{global_id: tensor}``; every id 0..E-1 exactly once."""
     import torch
 
-    if sorted(parts) != list(range(num_experts)):
-        raise ExportError(SHARDS_MISMATCH, f"{name}: experts {sorted(parts)} found, expected 0..{num_experts - 1}. "
-                          "Copy every rank's files from one save.")
+    check_expert_ids(list(parts), num_experts, name=name)
     return torch.stack([parts[e] for e in range(num_experts)])

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from lightning_zeromoe.checkpoint.errors import SHARDS_MISMATCH, ExportError, short_list
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta
-from lightning_zeromoe.checkpoint.sources import Catalog, Reader, Source
+from lightning_zeromoe.checkpoint.sources import Catalog, ExpertSource, Reader, Source
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def plan_outputs(catalog: Catalog, meta: ExportMeta) -> list[OutputTensor]:
             else:
                 problems.append(f"{ds_name} is not in the shards")
         if len(sources) == 3:
-            built.update(expert_outputs(block, sources))
+            built.update(expert_outputs(block, sources, meta.shapes))
     # Tied groups: DeepSpeed stores one member; every name the model has gets its own copy
     # (safetensors files cannot alias, and load_state_dict(strict=True) wants every name).
     for group in meta.tied:
@@ -74,20 +74,39 @@ def check_shape(out: OutputTensor, tensor: Any) -> None:
                           "trainer.save_checkpoint(...) wrote it.")
 
 
-def expert_outputs(block: ExpertBlock, sources: dict[str, Source]) -> dict[str, Callable[[Reader], Any]]:
+def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
+                   shapes: dict[str, list[int]] | None = None) -> dict[str, Callable[[Reader], Any]]:
     """The model's own expert tensors from AutoEP's ``w1``/``w3`` (``[E, ffn, hidden]``, gate and
-    up) and ``w2`` (``[E, hidden, ffn]``), in the layout the model used."""
+    up) and ``w2`` (``[E, hidden, ffn]``), in the layout the model used. The fused tensor is
+    allocated once and each half written into its place (no concatenation copy)."""
     import torch
 
-    w1, w2, w3 = _read(sources["w1"]), _read(sources["w2"]), _read(sources["w3"])
     t = block.targets
+    w1, w2, w3 = sources["w1"], sources["w2"], sources["w3"]
     if block.layout == "separate":
-        return {t["gate"]: w1, t["up"]: w3, t["down"]: w2}
-    if block.layout == "gate_up_first":
-        return {t["gate_up"]: lambda r: torch.cat([w1(r), w3(r)], dim=1), t["down"]: w2}
-    # hidden_first: AutoEP transposed [E, hidden, 2*ffn] halves into [E, ffn, hidden]; undo it.
-    return {t["gate_up"]: lambda r: torch.cat([w1(r).transpose(1, 2), w3(r).transpose(1, 2)], dim=2),
-            t["down"]: lambda r: w2(r).transpose(1, 2)}
+        return {t["gate"]: _read(w1), t["up"]: _read(w3), t["down"]: _read(w2)}
+
+    def fused(reader: Reader) -> Any:
+        gate = reader.read(w1) if not isinstance(w1, ExpertSource) else None
+        if gate is not None:  # not expert-parallel pieces: plain tensors
+            up = reader.read(w3)
+            halves = (gate, up) if block.layout == "gate_up_first" else (gate.transpose(1, 2), up.transpose(1, 2))
+            return torch.cat(halves, dim=1 if block.layout == "gate_up_first" else 2)
+        shape = (shapes or {}).get(t["gate_up"])
+        if shape is None:
+            raise ExportError(SHARDS_MISMATCH, f"{t['gate_up']}: no recorded shape in {META_FILE}.")
+        out = torch.empty(tuple(shape), dtype=torch.float32)
+        ffn = shape[1] // 2 if block.layout == "gate_up_first" else shape[2] // 2
+        if block.layout == "gate_up_first":
+            reader.fill(w1, out[:, :ffn])
+            reader.fill(w3, out[:, ffn:])
+        else:  # hidden_first: AutoEP transposed [E, hidden, 2*ffn] halves into [E, ffn, hidden]; undo it
+            reader.fill(w1, out[:, :, :ffn].transpose(1, 2))
+            reader.fill(w3, out[:, :, ffn:].transpose(1, 2))
+        return out
+
+    down = _read(w2) if block.layout == "gate_up_first" else (lambda r: r.read(w2).transpose(1, 2))
+    return {t["gate_up"]: fused, t["down"]: down}
 
 
 def _read(source: Source) -> Callable[[Reader], Any]:

@@ -25,7 +25,7 @@ from lightning_zeromoe.checkpoint.errors import NOT_A_CHECKPOINT, SHARDS_MISMATC
 from lightning_zeromoe.checkpoint.loading import load_shard
 from lightning_zeromoe.checkpoint.meta import ExportMeta
 from lightning_zeromoe.checkpoint.partition import (FlatSlice, flat_slices, global_expert_ids, group_records,
-                                                    join_pieces, partition_members, read_slice, stack_experts)
+                                                    check_expert_ids, join_pieces, partition_members, read_slice)
 
 _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
@@ -96,7 +96,12 @@ class Reader:
         return self._open[path]
 
     def release(self) -> None:
+        """Drop the open files. ``torch.load``'s results hold reference cycles, so the mappings
+        (and the pages read through them) go only once the cycle collector has run."""
+        import gc
+
         self._open.clear()
+        gc.collect()
 
     def read(self, source: Source) -> Any:
         if isinstance(source, FlatSource):
@@ -110,14 +115,26 @@ class Reader:
             return self.file(source.file)["module"][source.key]
         if isinstance(source, ExpertFileSource):
             return self.file(source.file)[source.key].unsqueeze(0)
-        parts: dict[int, Any] = {}
+        return self.fill(source, None)
+
+    def fill(self, source: "ExpertSource", out: Any) -> Any:
+        """Write an expert weight into ``out`` (``[E, ...]``, may be a strided view of a larger
+        output), one rank's piece at a time; ``out=None`` allocates it. No intermediate stack."""
+        import torch
+
+        seen: list[int] = []
         for ids, sub in source.parts:
             local = self.read(sub)
             if local.shape[0] != len(ids):
                 raise ExportError(SHARDS_MISMATCH, f"{source.name}: a rank holds {local.shape[0]} experts but its "
                                   f"placement lists {list(ids)}. Copy every rank's files from one save.")
-            parts.update({e: local[i] for i, e in enumerate(ids)})
-        return stack_experts(parts, source.num_experts, name=source.name)
+            if out is None:
+                out = torch.empty((source.num_experts, *local.shape[1:]), dtype=local.dtype)
+            out[list(ids)] = local
+            seen += ids
+            del local
+        check_expert_ids(seen, source.num_experts, name=source.name)
+        return out
 
 
 def catalog(ckpt_dir: Path, meta: ExportMeta, *, trust_checkpoint: bool = False) -> Catalog:

@@ -170,14 +170,14 @@ def variants(args: argparse.Namespace) -> None:
             ("stage3_frozen", "tiny", dict(stage=3), "model.embed.weight"),
             ("deepseek_v3", "deepseek_v3", dict(stage=3), None),
             ("lora", "lora", dict(stage=3, ep_size=1), None),
-            # Many times the export test's shard size (~50 MB of fp32 weights), for the memory bound.
+            # Many times the export test's shard size (~80 MB of fp32 weights), for the memory bound.
             ("wide", "wide", dict(stage=3), None)]
     summary = {}
     for name, family, options, frozen in runs:
         L.seed_everything(0, verbose=False)
         if family in ("tiny", "wide"):
             config = TinyMoEConfig(tie_embeddings=False) if family == "tiny" else TinyMoEConfig(
-                tie_embeddings=False, hidden_size=256, ffn_hidden_size=512, num_experts=8, num_layers=4)
+                tie_embeddings=False, hidden_size=256, ffn_hidden_size=512, num_experts=8, num_layers=6)
             module, config_dict = TinyMoEModule(config, batch_size=4, num_samples=64), asdict(config)
         elif family == "lora":
             from peft import LoraConfig, get_peft_model
