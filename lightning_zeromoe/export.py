@@ -1,7 +1,8 @@
-"""``zeromoe-export`` / ``python -m lightning_zeromoe.export``: a ZeRO-3 + AutoEP checkpoint -> one
-safetensors file with the model's own parameter names.
+"""``zeromoe-export`` / ``python -m lightning_zeromoe.export``: a ZeroMoEStrategy checkpoint -> a
+Hugging Face model directory (or one safetensors file) with the model's own parameter names.
 
-    python -m lightning_zeromoe.export CKPT_DIR OUT.safetensors [--dtype auto|float32|bfloat16|float16]
+    zeromoe-export CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--dtype auto|float32|bfloat16|float16]
+    zeromoe-export CKPT_DIR OUT.safetensors          # one file
 
 Exit status: 0 written; 2 bad input (one line on stderr naming the problem and the fix).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_zeromoe.checkpoint import ExportError, export
+from lightning_zeromoe.checkpoint import DEFAULT_MAX_SHARD_SIZE, ExportError, export
 
 EXIT_BAD_INPUT = 2
 
@@ -19,18 +20,26 @@ EXIT_BAD_INPUT = 2
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="zeromoe-export",
-        description="Turn a checkpoint written by ZeroMoEStrategy (DeepSpeed ZeRO-3 + AutoEP) into one "
-                    "safetensors state dict with the model's own parameter names (for load_state_dict / "
-                    "from_pretrained). The checkpoint is only read.")
+        description="Turn a checkpoint written by ZeroMoEStrategy (DeepSpeed ZeRO 1/2/3, AutoEP) into a Hugging "
+                    "Face model directory (config.json, sharded safetensors, index) that from_pretrained loads, "
+                    "or one .safetensors file. The checkpoint is only read.")
     parser.add_argument("ckpt_dir", help="directory written by trainer.save_checkpoint(...) / ModelCheckpoint")
-    parser.add_argument("out", help="the .safetensors file to write (outside the checkpoint directory)")
+    parser.add_argument("out", help="output directory to create, or a path ending in .safetensors for one file "
+                                    "(outside the checkpoint directory)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help="largest output shard, e.g. 5GB (default), 500MB")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto (default): the dtype the model trained in; float32: the fp32 master weights")
+    parser.add_argument("--trust-checkpoint", action="store_true",
+                        help="allow unpickling objects other than tensors and known DeepSpeed/Lightning values; "
+                             "this can run code from the checkpoint, use it only for checkpoints you trust")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:
-        export(args.ckpt_dir, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+        export(args.ckpt_dir, args.out, dtype=args.dtype, max_shard_size=size, overwrite=args.overwrite,
+               trust_checkpoint=args.trust_checkpoint, progress=not args.quiet)
     except ExportError as err:
         print(f"zeromoe-export: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

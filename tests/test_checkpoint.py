@@ -1,11 +1,14 @@
-"""Checkpoints users can load: ZeRO-3 + AutoEP (EP=2, 2 CPU ranks) -> one safetensors file with the
-model's own names, loaded into a fresh single-process model with ``strict=True``.
+"""Checkpoints users can load: ZeRO-1/2/3 + AutoEP (EP=2, 2 CPU ranks) -> a Hugging Face model
+directory (or one safetensors file) with the model's own names, loaded into a fresh
+single-process model.
 
-Two real 2-rank launches (``tests/jobs/export_job.py``), one per model family: our tiny MoE LM with
-tied embeddings, saved by ``ModelCheckpoint``, and a tiny Hugging Face Mixtral (tied too) built from a
-config, saved by ``trainer.save_checkpoint``. Each job trains a few steps, saves, and records the trained *engine's* logits on a
-fixed batch: that is what the exported model must reproduce. Export always runs through the real
-CLI in a subprocess, as users run it.
+Real 2-rank launches (``tests/jobs/export_job.py``): our tiny MoE LM with tied embeddings, saved by
+``ModelCheckpoint``; a tiny Hugging Face Mixtral (tied too) built from a config, saved by
+``trainer.save_checkpoint``; and one launch of several runs (ZeRO-1, ZeRO-2 with a frozen
+embedding, ZeRO-3 with a frozen embedding, DeepSeek-V3, PEFT LoRA, a wider model for the memory
+bound). Each run records the trained *engine's* logits on a fixed batch: that is what the
+exported model must reproduce. Export runs through the real CLI in a subprocess, as users run
+it, except where a check needs the Python API.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import REPO, job_env, run_job
+from jobs_util import JOBS, REPO, job_env, run_job
 
 #: fp32 end to end; measured max |difference| ~2e-7 (expert summation order differs).
 ATOL = 1e-5
@@ -42,6 +45,10 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           timeout=timeout, env=job_env(), cwd=REPO)
 
 
+#: Small enough that the tiny models' exports have several shards.
+SHARD = "150KB"
+
+
 def _train_and_export(tmp_path_factory, family: str) -> dict:
     out = tmp_path_factory.mktemp(f"export_{family}")
     t0 = time.perf_counter()
@@ -55,9 +62,11 @@ def _train_and_export(tmp_path_factory, family: str) -> dict:
     proc = _cli(str(ckpt), str(out / "model.safetensors"))
     export_s = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
+    hf = _cli(str(ckpt), str(out / "hf"), "--max-shard-size", SHARD)
+    assert hf.returncode == 0, hf.stderr[-4000:]
     engine = [torch.load(out / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
-    return {"dir": out, "ckpt": ckpt, "file": out / "model.safetensors", "before": before,
-            "after": _tree_digest(ckpt), "stderr": proc.stderr, "job": job,
+    return {"dir": out, "ckpt": ckpt, "file": out / "model.safetensors", "hf": out / "hf", "before": before,
+            "after": _tree_digest(ckpt), "stderr": proc.stderr, "hf_stderr": hf.stderr, "job": job,
             "engine": engine, "job_s": job_s, "export_s": export_s}
 
 
@@ -138,7 +147,9 @@ def test_tiny_export_loads_strict_and_reproduces_engine(tiny):
 
 
 def test_export_reports_progress_and_never_modifies_the_source(tiny):
-    assert "[zeromoe-export] reading 2 ranks' shards" in tiny["stderr"] and "wrote 18 tensors" in tiny["stderr"]
+    assert "[zeromoe-export] reading 4 shard files of a ZeRO stage-3 checkpoint (2 ranks, ep_size=2)" in tiny["stderr"]
+    assert "wrote 18 tensors" in tiny["stderr"]
+    assert "[zeromoe-export] writing" in tiny["hf_stderr"] and "shard(s)" in tiny["hf_stderr"]  # the bar, with bytes
     assert tiny["before"] == tiny["after"], "the export changed the checkpoint directory"
     assert len(tiny["before"]) >= 6  # latest, meta, 2 model + 2 optimizer shards (+ DeepSpeed's scripts)
 
@@ -154,7 +165,7 @@ def test_export_dtype_and_no_silent_overwrite(tiny, tmp_path):
     assert all(torch.equal(bf16[k], fp32[k].to(torch.bfloat16)) for k in fp32)
     stamp = out.stat().st_mtime_ns
     again = _cli(str(tiny["ckpt"]), str(out))
-    assert again.returncode == 2 and "already exists" in again.stderr and "--overwrite" in again.stderr
+    _assert_refused(again, "export-output-path", "already exists", "--overwrite")
     assert out.stat().st_mtime_ns == stamp
 
 
@@ -182,7 +193,7 @@ def test_tiny_4_ranks_experts_replicated_over_expert_data_parallel_groups(tmp_pa
 # ------------------------------------------------------------------ Hugging Face Mixtral
 
 
-def test_mixtral_export_loads_strict_and_with_from_pretrained(mixtral, tmp_path):
+def test_mixtral_export_loads_strict(mixtral):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     state = _load(mixtral["file"])
@@ -200,19 +211,245 @@ def test_mixtral_export_loads_strict_and_with_from_pretrained(mixtral, tmp_path)
         got = fresh(input_ids=ids, use_cache=False).logits
     diff = (got - want).abs().max().item()
 
-    # from_pretrained: the config plus the exported file as model.safetensors, nothing else.
-    config.save_pretrained(tmp_path)
-    shutil.copyfile(mixtral["file"], tmp_path / "model.safetensors")
-    loaded, info = MixtralForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    print(f"mixtral: max |exported - engine| = {diff:.2e} (load_state_dict); job {mixtral['job_s']:.1f} s, "
+          f"export CLI {mixtral['export_s']:.1f} s")
+    assert diff < ATOL
+    assert mixtral["before"] == mixtral["after"]
+
+
+def _check_index(out_dir: Path) -> dict[str, torch.Tensor]:
+    """The index names every tensor of every shard exactly once, in the shard that holds it."""
+    from safetensors import safe_open
+
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(out_dir.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and set(index["weight_map"].values()) == {f.name for f in shards}
+    seen: dict[str, str] = {}
+    state = {}
+    for f in shards:
+        with safe_open(str(f), "pt") as handle:
+            for key in handle.keys():
+                assert key not in seen, f"{key} in {seen.get(key)} and {f.name}"
+                seen[key] = f.name
+                state[key] = handle.get_tensor(key)
+    assert seen == index["weight_map"]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    return state
+
+
+def test_mixtral_hf_directory_loads_with_from_pretrained_alone(mixtral):
+    """What a user gets: AutoModelForCausalLM.from_pretrained(out_dir), no config written by hand."""
+    from transformers import AutoModelForCausalLM
+
+    out = mixtral["hf"]
+    assert {"config.json", "model.safetensors.index.json", "zeromoe_export.json"} <= {f.name for f in out.iterdir()}
+    state = _check_index(out)
+    single = _load(mixtral["file"])
+    assert state.keys() == single.keys() and all(torch.equal(state[k], single[k]) for k in state)
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(loaded).__name__ == "MixtralForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids, want = _engine_logits(mixtral)
+    loaded.eval()
+    with torch.no_grad():
+        got = loaded(input_ids=ids, use_cache=False).logits
+    diff = (got - want).abs().max().item()
+    print(f"mixtral: max |from_pretrained(export dir) - engine| = {diff:.2e}")
+    assert diff < ATOL
+    meta = json.loads((mixtral["ckpt"] / "zeromoe_meta.json").read_text())
+    assert meta["version"] == 2 and {e["layout_source"] for e in meta["experts"]} == {"model"}
+    assert mixtral["before"] == mixtral["after"]
+
+
+def test_tiny_hf_directory_shards_match_the_single_file(tiny):
+    state = _check_index(tiny["hf"])
+    single = _load(tiny["file"])
+    assert state.keys() == single.keys() and all(torch.equal(state[k], single[k]) for k in state)
+    config = json.loads((tiny["hf"] / "config.json").read_text())
+    assert config["zeromoe_model_class"] == "lightning_zeromoe.models.TinyMoELM"
+    assert {k: v for k, v in config.items() if k != "zeromoe_model_class"} == tiny["job"]["config"]
+
+
+# ------------------------------------------------------------------ every kind of checkpoint
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export_variants")
+    t0 = time.perf_counter()
+    run_job("export_job.py", "--family", "variants", "--out", str(out), timeout=900)
+    print(f"variants job {time.perf_counter() - t0:.1f} s")
+    return {"dir": out, "runs": json.loads((out / "rank0.json").read_text())}
+
+
+def _export_run(variants: dict, name: str, tmp_path: Path, **kwargs) -> tuple[Path, dict]:
+    """Export one run's checkpoint (Python API) into an HF directory; the source must not change."""
+    from lightning_zeromoe.checkpoint import export
+
+    ckpt = Path(variants["runs"][name]["ckpt_path"])
+    before = _tree_digest(ckpt)
+    out = export(ckpt, tmp_path / name, max_shard_size=SHARD, progress=False, **kwargs)
+    assert _tree_digest(ckpt) == before, f"{name}: the export changed the checkpoint directory"
+    return out, torch.load(variants["dir"] / name / "engine_outputs_rank0.pt")
+
+
+def _hf_dir_state(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(out.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+@pytest.mark.parametrize("name", ["stage1", "stage2_frozen", "stage3_frozen"])
+def test_zero_stage_1_2_and_frozen_embedding_export(variants, name, tmp_path):
+    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+
+    run = variants["runs"][name]
+    out, ref = _export_run(variants, name, tmp_path)
+    meta = json.loads((Path(run["ckpt_path"]) / "zeromoe_meta.json").read_text())
+    assert meta["zero_stage"] == int(name[5])
+    assert meta["frozen"] == (["embed.weight"] if run["frozen"] else [])
+    model = TinyMoELM(TinyMoEConfig(**run["config"]))
+    model.load_state_dict(_hf_dir_state(out), strict=True)
+    import lightning as L
+
+    from lightning_zeromoe.models import TinyMoEModule
+
+    L.seed_everything(0, verbose=False)  # the job's seed: the model as the run started
+    initial = TinyMoEModule(TinyMoEConfig(**run["config"]), batch_size=4, num_samples=64).model
+    # A frozen embedding is exported as it is (= as initialised); trained tensors moved.
+    assert torch.equal(model.embed.weight, initial.embed.weight) == bool(run["frozen"])
+    assert not torch.equal(model.lm_head.weight, initial.lm_head.weight)
+    with torch.no_grad():
+        diff = (model(ref["input_ids"])[0] - ref["logits"]).abs().max().item()
+    print(f"{name}: max |exported - engine| = {diff:.2e}")
+    assert diff < ATOL
+
+
+def test_deepseek_v3_exports_its_score_correction_bias(variants, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out, ref = _export_run(variants, "deepseek_v3", tmp_path)
+    state = _hf_dir_state(out)
+    biases = [k for k in state if k.endswith("mlp.gate.e_score_correction_bias")]
+    assert sorted(biases) == [f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     loaded.eval()
     with torch.no_grad():
-        got_pretrained = loaded(input_ids=ids, use_cache=False).logits
-    diff_pretrained = (got_pretrained - want).abs().max().item()
-    print(f"mixtral: max |exported - engine| = {diff:.2e} (load_state_dict), {diff_pretrained:.2e} (from_pretrained); "
-          f"job {mixtral['job_s']:.1f} s, export CLI {mixtral['export_s']:.1f} s")
-    assert diff < ATOL and diff_pretrained < ATOL
-    assert mixtral["before"] == mixtral["after"]
+        diff = (loaded(input_ids=ref["input_ids"], use_cache=False).logits - ref["logits"]).abs().max().item()
+    print(f"deepseek_v3: max |from_pretrained(export dir) - engine| = {diff:.2e}")
+    assert diff < ATOL
+
+
+def test_lora_run_exports_merged_model_and_peft_adapter(variants, tmp_path):
+    """The merged directory loads with from_pretrained alone; the adapter loads with PEFT onto the
+    base weights the run started from (rebuilt from the job's seed) and gives the same logits."""
+    import lightning as L
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(JOBS))
+    from train_hf import build_hf_model
+
+    out, ref = _export_run(variants, "lora", tmp_path)
+    merged = _hf_dir_state(out)
+    assert not any("lora_" in k or "base_layer" in k for k in merged), "PEFT names leaked into the merged export"
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    loaded.eval()
+    with torch.no_grad():
+        diff_merged = (loaded(input_ids=ref["input_ids"], use_cache=False).logits - ref["logits"]).abs().max().item()
+    adapter = _load(out / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(k.startswith("base_model.model.") and (".lora_A.weight" in k or ".lora_B.weight" in k)
+                           for k in adapter)
+    L.seed_everything(0, verbose=False)
+    base = build_hf_model("mixtral")
+    with_adapter = PeftModel.from_pretrained(base, out / "adapter")
+    with_adapter.eval()
+    with torch.no_grad():
+        diff_adapter = (with_adapter(input_ids=ref["input_ids"], use_cache=False).logits - ref["logits"]).abs().max().item()
+    print(f"lora: max |merged - engine| = {diff_merged:.2e}, |base + adapter - engine| = {diff_adapter:.2e}")
+    assert diff_merged < ATOL and diff_adapter < ATOL
+
+
+def test_streaming_export_memory_stays_near_one_shard(variants, tmp_path):
+    """Export a model whose weights are many times the shard size. Peak RSS (Linux VmHWM, reset
+    after the imports and a warm-up of the shard planner, whose first call imports ~40 MB of
+    modules) grows by at most 3 x max(max_shard_size, largest tensor) + 8 MiB: the shard being
+    written, safetensors' serialisation copy of it, and the fp32 source pages read for it.
+    Holding the whole model, as the previous exporter did, exceeds it."""
+    ckpt = variants["runs"]["wide"]["ckpt_path"]
+    shard = 1_000_000
+    code = f"""
+import json, math, re, torch, safetensors.torch, rich.progress
+from huggingface_hub import split_torch_state_dict_into_shards
+from pathlib import Path
+split_torch_state_dict_into_shards({{"w": torch.empty(2, device="meta")}})
+from lightning_zeromoe.checkpoint import export
+from lightning_zeromoe.checkpoint.meta import read_meta
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+meta = read_meta(Path({ckpt!r}) / "zeromoe_meta.json")
+Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+base = status("VmRSS")
+export({ckpt!r}, {str(tmp_path / "wide")!r}, max_shard_size={shard}, progress=False)
+sizes = [4 * math.prod(s) for s in meta.shapes.values()]
+print(json.dumps({{"base": base, "peak": status("VmHWM"), "model": sum(sizes), "largest": max(sizes)}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=job_env(),
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    bound = 3 * max(shard, m["largest"]) + 8 * 2**20
+    grew = m["peak"] - m["base"]
+    print(f"wide: model {m['model'] / 2**20:.1f} MiB fp32, largest tensor {m['largest'] / 2**20:.1f} MiB, "
+          f"peak RSS grew {grew / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB)")
+    assert m["model"] > 50 * shard and m["model"] > 2 * bound, "the model must be well over the bound"
+    assert grew < bound
+    assert len(list((tmp_path / "wide").glob("model-*.safetensors"))) >= 10
+
+
+def test_checkpoint_holding_a_custom_class_is_refused_unless_trusted(tiny, tmp_path):
+    """A model shard whose client state holds an object of a custom class: the safe load refuses
+    it, names the class, and runs nothing; --trust-checkpoint reads it and exports the same model."""
+    ckpt = _copy_ckpt(tiny, tmp_path / "ckpt")
+    module_dir = tmp_path / "userpkg"
+    module_dir.mkdir()
+    marker = tmp_path / "code-ran"
+    (module_dir / "user_hparams.py").write_text(
+        "from pathlib import Path\n"
+        "class RunConfig:\n"
+        "    def __setstate__(self, state):\n"
+        f"        Path({str(marker)!r}).write_text('unpickled')\n"
+        "        self.__dict__.update(state)\n")
+    shard = ckpt / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    sys.path.insert(0, str(module_dir))
+    try:
+        import user_hparams
+
+        state = torch.load(shard, weights_only=False)
+        obj = user_hparams.RunConfig()
+        obj.lr = 0.1
+        state["hyper_parameters"] = {"run": obj}
+        torch.save(state, shard)
+        marker.unlink(missing_ok=True)
+    finally:
+        sys.path.remove(str(module_dir))
+    env_path = f"{module_dir}:{job_env().get('PYTHONPATH', '')}"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=180, env={**job_env(), "PYTHONPATH": env_path}, cwd=REPO)
+    refused = run(str(ckpt), str(tmp_path / "out.safetensors"))
+    _assert_refused(refused, "export-untrusted-object", "user_hparams.RunConfig", "--trust-checkpoint")
+    assert not marker.exists(), "the safe load ran code from the checkpoint"
+    assert not (tmp_path / "out.safetensors").exists()
+    trusted = run(str(ckpt), str(tmp_path / "out.safetensors"), "--trust-checkpoint", "--quiet")
+    assert trusted.returncode == 0, trusted.stderr
+    assert marker.exists()  # what the flag allows, and why it is off by default
+    mine, reference = _load(tmp_path / "out.safetensors"), _load(tiny["file"])
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
 
 
 # ------------------------------------------------------------------ bad input, through the CLI
@@ -223,10 +460,12 @@ def _copy_ckpt(run: dict, dst: Path) -> Path:
     return dst
 
 
-def _assert_refused(proc: subprocess.CompletedProcess, *phrases: str) -> None:
+def _assert_refused(proc: subprocess.CompletedProcess, entry: str, *phrases: str) -> None:
+    """Exit 2, one error line that starts with the knowledge-base entry id, no traceback."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("zeromoe-export: error:")]
     assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"zeromoe-export: error: [{entry}] "), lines[0]
     assert "Traceback" not in proc.stderr
     for phrase in phrases:
         assert phrase in lines[0], lines[0]
@@ -234,7 +473,7 @@ def _assert_refused(proc: subprocess.CompletedProcess, *phrases: str) -> None:
 
 def test_missing_directory(tmp_path):
     proc = _cli(str(tmp_path / "nope"), str(tmp_path / "out.safetensors"))
-    _assert_refused(proc, "checkpoint directory not found", "trainer.save_checkpoint")
+    _assert_refused(proc, "export-not-a-checkpoint", "checkpoint directory not found", "trainer.save_checkpoint")
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -244,7 +483,7 @@ def test_console_script_is_the_same_cli(tmp_path):
         pytest.skip("package not installed with its console scripts (pip install -e .)")
     proc = subprocess.run([str(script), str(tmp_path / "nope"), str(tmp_path / "o.safetensors")], capture_output=True,
                           text=True, timeout=120, env=job_env())
-    _assert_refused(proc, "checkpoint directory not found")
+    _assert_refused(proc, "export-not-a-checkpoint", "checkpoint directory not found")
 
 
 def test_export_needs_no_model_code_and_no_deepspeed(mixtral, tmp_path):
@@ -269,7 +508,7 @@ def test_truncated_shard(tiny, tmp_path):
     shard.write_bytes(data[: len(data) // 2])
     before = _tree_digest(ckpt)
     proc = _cli(str(ckpt), str(tmp_path / "out.safetensors"))
-    _assert_refused(proc, "zero_pp_rank_1_mp_rank_00_optim_states.pt", "truncated or corrupt", "Copy it again")
+    _assert_refused(proc, "export-shard-corrupt", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "truncated or corrupt", "Copy it again")
     assert not (tmp_path / "out.safetensors").exists()
     assert _tree_digest(ckpt) == before
 
@@ -278,7 +517,7 @@ def test_missing_rank_shard(tiny, tmp_path):
     ckpt = _copy_ckpt(tiny, tmp_path / "ckpt")
     (ckpt / "checkpoint" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
     proc = _cli(str(ckpt), str(tmp_path / "out.safetensors"))
-    _assert_refused(proc, "the run had 2 ranks", "missing: [1]")
+    _assert_refused(proc, "export-shards-mismatch", "the run had 2 ranks", "missing: [1]")
 
 
 def test_checkpoint_not_written_by_the_strategy(tiny, tmp_path):
@@ -286,7 +525,7 @@ def test_checkpoint_not_written_by_the_strategy(tiny, tmp_path):
     ckpt = _copy_ckpt(tiny, tmp_path / "ckpt")
     (ckpt / "zeromoe_meta.json").unlink()
     proc = _cli(str(ckpt), str(tmp_path / "out.safetensors"))
-    _assert_refused(proc, "no zeromoe_meta.json", "not written by ZeroMoEStrategy", "trainer.save_checkpoint")
+    _assert_refused(proc, "export-not-a-checkpoint", "no zeromoe_meta.json", "not written by ZeroMoEStrategy", "trainer.save_checkpoint")
 
 
 def test_mismatched_model(tiny, mixtral, tmp_path):
@@ -294,11 +533,11 @@ def test_mismatched_model(tiny, mixtral, tmp_path):
     ckpt = _copy_ckpt(tiny, tmp_path / "ckpt")
     shutil.copyfile(mixtral["ckpt"] / "zeromoe_meta.json", ckpt / "zeromoe_meta.json")
     proc = _cli(str(ckpt), str(tmp_path / "out.safetensors"))
-    _assert_refused(proc, "do not match the model described by zeromoe_meta.json", "different runs")
+    _assert_refused(proc, "export-shards-mismatch", "do not match the model described by zeromoe_meta.json", "different runs")
     assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_output_inside_checkpoint_is_refused(tiny):
     proc = _cli(str(tiny["ckpt"]), str(tiny["ckpt"] / "model.safetensors"))
-    _assert_refused(proc, "never modified")
+    _assert_refused(proc, "export-output-path", "never modified")
     assert not (tiny["ckpt"] / "model.safetensors").exists()

@@ -86,11 +86,13 @@ class MixtralModule(L.LightningModule):
 def main() -> None:
     t0 = time.perf_counter()
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", choices=("tiny", "mixtral"), required=True)
+    parser.add_argument("--family", choices=("tiny", "mixtral", "variants"), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--devices", type=int, default=2, help="4 gives each expert-parallel rank 2 replicas")
     args = parser.parse_args()
+    if args.family == "variants":
+        return variants(args)
 
     L.seed_everything(0, verbose=False)
     if args.family == "tiny":
@@ -136,6 +138,70 @@ def main() -> None:
         "family": args.family, "rank": rank, "world_size": trainer.world_size, "global_step": trainer.global_step,
         "config": config_dict, "losses": losses, "ckpt_path": str(ckpt_path), "save_seconds": save_s,
         "wall_seconds": round(time.perf_counter() - t0, 2)}, default=str))
+
+
+def _engine_outputs(trainer: L.Trainer, out: Path) -> None:
+    """The trained engine's logits on the fixed batch (both ranks run it together)."""
+    engine = trainer.strategy.model
+    engine.eval()
+    ids = fixed_batch()
+    with torch.no_grad():
+        logits = engine(ids)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"input_ids": ids, "logits": logits.detach().float().clone()},
+               out / f"engine_outputs_rank{trainer.global_rank}.pt")
+
+
+def variants(args: argparse.Namespace) -> None:
+    """One launch, several runs, one checkpoint each (``DIR/<run>/ckpt``), for the checkpoint kinds
+    users produce besides ZeRO-3 + EP: ZeRO stage 1 and 2 (optimizer from the DeepSpeed config
+    section, which DeepSpeed splits into MoE groups itself), a frozen embedding under stage 2 and
+    stage 3, DeepSeek-V3 (score-correction bias) and a PEFT LoRA run."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from train_hf import HFMoEModule, build_hf_model
+
+    class HFWithForward(HFMoEModule):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.net(input_ids=input_ids, use_cache=False).logits
+
+    ds_adam = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0, "torch_adam": True}}}
+    runs = [("stage1", "tiny", dict(stage=1, config=ds_adam), None),
+            ("stage2_frozen", "tiny", dict(stage=2, config=ds_adam), "model.embed.weight"),
+            ("stage3_frozen", "tiny", dict(stage=3), "model.embed.weight"),
+            ("deepseek_v3", "deepseek_v3", dict(stage=3), None),
+            ("lora", "lora", dict(stage=3, ep_size=1), None),
+            # Many times the export test's shard size (~80 MB of fp32 weights), for the memory bound.
+            ("wide", "wide", dict(stage=3), None)]
+    summary = {}
+    for name, family, options, frozen in runs:
+        L.seed_everything(0, verbose=False)
+        if family in ("tiny", "wide"):
+            config = TinyMoEConfig(tie_embeddings=False) if family == "tiny" else TinyMoEConfig(
+                tie_embeddings=False, hidden_size=256, ffn_hidden_size=512, num_experts=8, num_layers=6)
+            module, config_dict = TinyMoEModule(config, batch_size=4, num_samples=64), asdict(config)
+        elif family == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            net = build_hf_model("mixtral")
+            module = HFWithForward(get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                lora_dropout=0.0)))
+            config_dict = net.config.to_dict()
+        else:
+            module = HFWithForward(build_hf_model(family))
+            config_dict = module.net.config.to_dict()
+        if frozen:
+            module.get_parameter(frozen).requires_grad_(False)
+        trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=1 if family == "wide" else 3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0,
+                            strategy=ZeroMoEStrategy(**{"ep_size": 2, "param_persistence_threshold": 0, **options}))
+        trainer.fit(module)
+        trainer.save_checkpoint(args.out / name / "ckpt")
+        _engine_outputs(trainer, args.out / name)
+        summary[name] = {"family": family, "config": config_dict, "ckpt_path": str(args.out / name / "ckpt"),
+                         "frozen": frozen}
+        print(f"[rank {trainer.global_rank}] {name}: trained {trainer.global_step} steps", file=sys.stderr, flush=True)
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(summary, default=str))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,241 @@
+"""Export time: a checkpoint directory -> a Hugging Face model directory (or one safetensors file).
+
+Streaming: the output shards are planned from shapes alone (``huggingface_hub``'s
+``split_torch_state_dict_into_shards`` on meta tensors), then each shard's tensors are rebuilt
+one at a time from the memory-mapped rank files, cast, written, and dropped; the files are
+unmapped after every shard. Peak host memory is about one output shard plus the largest tensor
+(plus the pages of the fp32 sources read for that shard), whatever the model's size.
+
+No model code, no DeepSpeed, no process group; the source directory is only ever read, and the
+output appears (renamed from a ``.partial`` sibling) only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning_zeromoe.checkpoint.errors import BAD_DTYPE, NOT_A_CHECKPOINT, OUTPUT_PATH, UNSUPPORTED_MODEL, ExportError
+from lightning_zeromoe.checkpoint.lora import adapter_config, split_lora
+from lightning_zeromoe.checkpoint.meta import META_FILE, ExportMeta, read_meta
+from lightning_zeromoe.checkpoint.plan import OutputTensor, check_shape, plan_outputs
+from lightning_zeromoe.checkpoint.progress import Progress
+from lightning_zeromoe.checkpoint.sources import Reader, catalog
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = ("float32", "bfloat16", "float16")
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def export(ckpt_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "auto",
+           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
+           trust_checkpoint: bool = False, progress: bool | Callable[[str], None] = True) -> Path:
+    """Write the model of a ``ZeroMoEStrategy`` checkpoint with its own parameter names.
+
+    Args:
+        ckpt_dir: What ``trainer.save_checkpoint(path)`` / ``ModelCheckpoint`` wrote (``latest``,
+            ``checkpoint/`` with DeepSpeed's per-rank shards, ``zeromoe_meta.json``). ZeRO stage 1, 2
+            or 3, with or without expert parallelism.
+        out: A directory to create (Hugging Face layout: ``config.json``, ``model-0000k-of-0000n
+            .safetensors``, ``model.safetensors.index.json``; ``adapter/`` for a LoRA run), or a path
+            ending in ``.safetensors`` for one file. Never inside ``ckpt_dir``.
+        dtype: ``"auto"`` (the dtype the model trained in), ``"float32"`` (ZeRO-3: the fp32 master
+            weights), ``"bfloat16"`` or ``"float16"``.
+        max_shard_size: Largest output shard (``"5GB"``, ``"200MB"`` or bytes); a tensor larger
+            than it gets a shard of its own.
+        overwrite: Replace an existing ``out``.
+        trust_checkpoint: Allow a full unpickle of shards that hold objects other than tensors and
+            known DeepSpeed/Lightning values. That can run code from the file: only for
+            checkpoints you trust.
+        progress: Progress bar and lines on stderr (True), quiet (False), or a callable for lines.
+
+    Returns the path written. Raises :class:`ExportError` for anything wrong with the input.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    single = out.suffix == ".safetensors"
+    ckpt_dir, meta = locate(Path(ckpt_dir))
+    check_output(out, ckpt_dir, overwrite)
+    target = target_dtype(dtype, meta)
+    report = Progress(progress)
+    cat = catalog(ckpt_dir, meta, trust_checkpoint=trust_checkpoint)
+    report.line(f"reading {len(cat.files)} shard files of a ZeRO stage-{meta.zero_stage} checkpoint "
+                f"({meta.world_size} ranks, ep_size={meta.ep_size}) from {ckpt_dir / meta.tag}")
+    outputs = plan_outputs(cat, meta)
+    adapter: list[OutputTensor] = []
+    if meta.lora:
+        outputs, adapter = split_lora(outputs, meta.lora)
+    if meta.outside_prefix:
+        report.line(f"not exported, outside the model at '{meta.prefix[:-1]}': {', '.join(meta.outside_prefix[:5])}")
+    tmp = out.with_name(f".{out.name}.partial")
+    _remove(tmp)
+    reader = Reader(trust_checkpoint=trust_checkpoint)
+    try:
+        if single:
+            write_shards(outputs, tmp, target, reader, report, max_shard_size=None, source=ckpt_dir, meta=meta)
+        else:
+            tmp.mkdir()
+            write_shards(outputs, tmp, target, reader, report, max_shard_size=max_shard_size, source=ckpt_dir,
+                         meta=meta)
+            write_model_files(tmp, meta, target, ckpt_dir)
+            if adapter:
+                (tmp / "adapter").mkdir()
+                write_shards(adapter, tmp / "adapter" / "adapter_model.safetensors", target, reader, report,
+                             max_shard_size=None, source=ckpt_dir, meta=meta)
+                (tmp / "adapter" / "adapter_config.json").write_text(
+                    json.dumps(adapter_config(meta.lora[0]), indent=2))
+        if out.exists():
+            _remove(out)
+        os.replace(tmp, out)
+    finally:
+        reader.release()
+        _remove(tmp)
+    total = sum(_numel(o.shape) for o in outputs)
+    report.line(f"wrote {len(outputs)} tensors ({total:,} values, {_name(target)}) to {out} in "
+                f"{time.perf_counter() - t0:.1f} s" + (f"; LoRA adapter ({len(adapter)} tensors) in {out / 'adapter'}"
+                                                      if adapter else ""))
+    return out
+
+
+def write_shards(outputs: list[OutputTensor], path: Path, dtype: Any, reader: Reader, report: Progress, *,
+                 max_shard_size: int | str | None, source: Path, meta: ExportMeta) -> None:
+    """Write ``outputs`` into ``path`` (a file when ``max_shard_size`` is None, else a directory
+    of shards and their index), one shard in memory at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    by_name = {o.name: o for o in outputs}
+    info = {"format": "pt", "producer": "lightning_zeromoe.export", "source": str(source),
+            "model_class": meta.model.class_name, "dtype": _name(dtype)}
+    if max_shard_size is None:
+        files = {path.name: [o.name for o in outputs]}
+        index = None
+    else:
+        from huggingface_hub import split_torch_state_dict_into_shards
+
+        shapes = {o.name: torch.empty(o.shape, dtype=dtype, device="meta") for o in outputs}
+        try:
+            split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
+        except ValueError as err:
+            raise ExportError(OUTPUT_PATH, f"max_shard_size={max_shard_size!r} is not a size ({err}); write it like "
+                              "'5GB', '500MB' or a number of bytes.") from None
+        files = split.filename_to_tensors
+        index = {"metadata": {**split.metadata}, "weight_map": split.tensor_to_filename}
+        path = path / "_"  # shards sit next to each other in the directory
+    total = sum(_numel(o.shape) for o in outputs) * dtype.itemsize
+    bar = report.bar(total, f"{len(files)} shard(s)")
+    for filename, names in files.items():
+        state = {}
+        for name in names:
+            out = by_name[name]
+            tensor = out.build(reader)
+            check_shape(out, tensor)
+            state[name] = tensor.to(dtype).contiguous()
+            del tensor
+            bar.advance(state[name].numel() * dtype.itemsize)
+        save_file(state, str(path.with_name(filename)), metadata=info)
+        del state
+        reader.release()
+    bar.close()
+    if index is not None:
+        (path.with_name("model.safetensors.index.json")).write_text(json.dumps(index, indent=2))
+
+
+def write_model_files(out_dir: Path, meta: ExportMeta, dtype: Any, source: Path) -> None:
+    """``config.json`` and ``generation_config.json`` from the meta, and ``zeromoe_export.json``
+    (where the weights and the tokenizer come from)."""
+    if meta.model.config is not None:
+        config = dict(meta.model.config)
+        if meta.model.config_kind == "transformers":
+            config["dtype"] = _name(dtype)
+            config.pop("torch_dtype", None)
+        else:
+            config["zeromoe_model_class"] = meta.model.class_name
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if meta.model.generation_config:
+        (out_dir / "generation_config.json").write_text(json.dumps(meta.model.generation_config, indent=2))
+    (out_dir / "zeromoe_export.json").write_text(json.dumps({
+        "source": str(source), "model_class": meta.model.class_name, "dtype": _name(dtype),
+        "tokenizer": meta.model.name_or_path, "zero_stage": meta.zero_stage, "world_size": meta.world_size,
+        "ep_size": meta.ep_size, "frozen": meta.frozen, "trained_with": meta.versions}, indent=2))
+
+
+def locate(path: Path) -> tuple[Path, ExportMeta]:
+    """The checkpoint directory and its meta, or an error saying what the path is instead."""
+    if not path.exists():
+        raise ExportError(NOT_A_CHECKPOINT, f"checkpoint directory not found: {path}. Pass the directory that "
+                          "trainer.save_checkpoint(...) or ModelCheckpoint wrote (it holds 'latest' and 'checkpoint/').")
+    if not path.is_dir():
+        raise ExportError(NOT_A_CHECKPOINT, f"{path} is a file, not a checkpoint directory. Under DeepSpeed, "
+                          "trainer.save_checkpoint(...) writes a directory; pass that directory.")
+    if not (path / META_FILE).is_file() and (path.parent / META_FILE).is_file():
+        path = path.parent  # the user pointed at checkpoint/ inside it
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        if (path / "latest").is_file() or any(path.glob("*/*mp_rank_*_model_states.pt")):
+            raise ExportError(NOT_A_CHECKPOINT, f"{path} has no {META_FILE}: it was not written by ZeroMoEStrategy "
+                              "(or by an older version), so the names of the model's own parameters are unknown. "
+                              "Load it with Trainer(strategy=ZeroMoEStrategy(...)) and call "
+                              "trainer.save_checkpoint(...) again; without expert parallelism, DeepSpeed's "
+                              "zero_to_fp32 also works.")
+        raise ExportError(NOT_A_CHECKPOINT, f"{path} is not a DeepSpeed checkpoint directory (no 'latest', no "
+                          f"*_model_states.pt, no {META_FILE}). Pass the directory that trainer.save_checkpoint(...) wrote.")
+    meta = read_meta(meta_path)
+    if meta.unsupported:
+        raise ExportError(UNSUPPORTED_MODEL, "this checkpoint's model has parts the exporter cannot map back to the "
+                          "model's own names: " + "; ".join(meta.unsupported) + ". Convert it with DeepSpeed's "
+                          "ds_to_universal instead (AutoEP names), or report the model to lightning_zeromoe.")
+    latest = path / "latest"
+    if latest.is_file() and latest.read_text().strip() != meta.tag:
+        raise ExportError(NOT_A_CHECKPOINT, f"{latest} names tag {latest.read_text().strip()!r} but {META_FILE} "
+                          f"describes {meta.tag!r}: the directory mixes two saves. Export a directory written by one "
+                          "trainer.save_checkpoint(...).")
+    return path, meta
+
+
+def check_output(out: Path, ckpt_dir: Path, overwrite: bool) -> None:
+    resolved = out.resolve()
+    if resolved == ckpt_dir.resolve() or ckpt_dir.resolve() in resolved.parents:
+        raise ExportError(OUTPUT_PATH, f"refusing to write {out} inside the checkpoint directory {ckpt_dir}: the source "
+                          "checkpoint is never modified. Choose a path outside it.")
+    if out.exists() and not overwrite:
+        raise ExportError(OUTPUT_PATH, f"{out} already exists. Choose another path, or pass --overwrite "
+                          "(overwrite=True) to replace it.")
+    if not out.parent.is_dir():
+        raise ExportError(OUTPUT_PATH, f"output directory {out.parent} does not exist. Create it first.")
+
+
+def target_dtype(dtype: str, meta: ExportMeta) -> Any:
+    import torch
+
+    name = meta.dtype if dtype == "auto" else _ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ExportError(BAD_DTYPE, f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16.")
+    if meta.zero_stage != 3 and name == "float32" and meta.dtype != "float32":
+        raise ExportError(BAD_DTYPE, f"this ZeRO stage-{meta.zero_stage} checkpoint keeps the model weights in "
+                          f"{meta.dtype} (its fp32 master copies are split across the optimizer shards, which export "
+                          "does not reassemble for stage 1/2); float32 would only be an upcast. Use --dtype auto.")
+    return getattr(torch, name)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

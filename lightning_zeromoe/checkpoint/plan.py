@@ -1,0 +1,113 @@
+"""The output tensors: the model's own names and shapes, and how each is built from sources.
+
+:func:`plan_outputs` checks the catalog against the meta before anything is read or written:
+every tensor the model has is found, nothing in the shards is left undescribed, and every shape
+is the one recorded at save time (the expert shapes follow the fused layout recorded then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from lightning_zeromoe.checkpoint.errors import SHARDS_MISMATCH, ExportError, short_list
+from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta
+from lightning_zeromoe.checkpoint.sources import Catalog, ExpertSource, Reader, Source
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the exported model: its name, shape, and how to build it (fp32 or the
+    training dtype; the writer casts)."""
+
+    name: str
+    shape: tuple[int, ...]
+    build: Callable[[Reader], Any]
+
+
+def plan_outputs(catalog: Catalog, meta: ExportMeta) -> list[OutputTensor]:
+    problems: list[str] = []
+    built: dict[str, Callable[[Reader], Any]] = {}
+    used: set[str] = set()
+    for ds_name, own in {**meta.params, **meta.buffers}.items():
+        if ds_name in catalog.tensors:
+            built.setdefault(own, _read(catalog.tensors[ds_name]))
+            used.add(ds_name)
+    for block in meta.experts:
+        sources = {}
+        for w, ds_name in block.sources.items():
+            if ds_name in catalog.tensors:
+                sources[w] = catalog.tensors[ds_name]
+                used.add(ds_name)
+            else:
+                problems.append(f"{ds_name} is not in the shards")
+        if len(sources) == 3:
+            built.update(expert_outputs(block, sources, meta.shapes))
+    # Tied groups: DeepSpeed stores one member; every name the model has gets its own copy
+    # (safetensors files cannot alias, and load_state_dict(strict=True) wants every name).
+    for group in meta.tied:
+        present = [n for n in group if n in built]
+        if not present:
+            problems.append(f"tied group {group}: no member is in the shards")
+        for n in group:
+            built.setdefault(n, built[present[0]] if present else None)
+    outside = set(meta.outside_prefix)
+    described = set(meta.params) | set(meta.buffers)
+    leftovers = [n for n in catalog.tensors if n not in used and n not in outside and n not in described]
+    if leftovers:
+        problems.append(f"the shards hold parameters {short_list(leftovers)} that {META_FILE} does not describe")
+    missing = [n for n in meta.shapes if n not in built]
+    if missing:
+        problems.append(f"missing from the shards: {short_list(missing)}")
+    if problems:
+        raise ExportError(SHARDS_MISMATCH, f"the checkpoint shards do not match the model described by {META_FILE} (a "
+                          f"mismatched model or mixed files): {'; '.join(problems)}. Export the directory exactly as "
+                          "trainer.save_checkpoint(...) wrote it; do not mix files from different runs.")
+    return [OutputTensor(name, tuple(meta.shapes[name]), build) for name, build in built.items()]
+
+
+def check_shape(out: OutputTensor, tensor: Any) -> None:
+    """The tensor read must have the shape recorded at save time."""
+    if tuple(tensor.shape) != out.shape:
+        raise ExportError(SHARDS_MISMATCH, f"{out.name}: read {list(tensor.shape)}, but {META_FILE} records "
+                          f"{list(out.shape)} (a mismatched model or mixed files). Export the directory exactly as "
+                          "trainer.save_checkpoint(...) wrote it.")
+
+
+def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
+                   shapes: dict[str, list[int]] | None = None) -> dict[str, Callable[[Reader], Any]]:
+    """The model's own expert tensors from AutoEP's ``w1``/``w3`` (``[E, ffn, hidden]``, gate and
+    up) and ``w2`` (``[E, hidden, ffn]``), in the layout the model used. The fused tensor is
+    allocated once and each half written into its place (no concatenation copy)."""
+    import torch
+
+    t = block.targets
+    w1, w2, w3 = sources["w1"], sources["w2"], sources["w3"]
+    if block.layout == "separate":
+        return {t["gate"]: _read(w1), t["up"]: _read(w3), t["down"]: _read(w2)}
+
+    def fused(reader: Reader) -> Any:
+        gate = reader.read(w1) if not isinstance(w1, ExpertSource) else None
+        if gate is not None:  # not expert-parallel pieces: plain tensors
+            up = reader.read(w3)
+            halves = (gate, up) if block.layout == "gate_up_first" else (gate.transpose(1, 2), up.transpose(1, 2))
+            return torch.cat(halves, dim=1 if block.layout == "gate_up_first" else 2)
+        shape = (shapes or {}).get(t["gate_up"])
+        if shape is None:
+            raise ExportError(SHARDS_MISMATCH, f"{t['gate_up']}: no recorded shape in {META_FILE}.")
+        out = torch.empty(tuple(shape), dtype=torch.float32)
+        ffn = shape[1] // 2 if block.layout == "gate_up_first" else shape[2] // 2
+        if block.layout == "gate_up_first":
+            reader.fill(w1, out[:, :ffn])
+            reader.fill(w3, out[:, ffn:])
+        else:  # hidden_first: AutoEP transposed [E, hidden, 2*ffn] halves into [E, ffn, hidden]; undo it
+            reader.fill(w1, out[:, :, :ffn].transpose(1, 2))
+            reader.fill(w3, out[:, :, ffn:].transpose(1, 2))
+        return out
+
+    down = _read(w2) if block.layout == "gate_up_first" else (lambda r: r.read(w2).transpose(1, 2))
+    return {t["gate_up"]: fused, t["down"]: down}
+
+
+def _read(source: Source) -> Callable[[Reader], Any]:
+    return lambda reader: reader.read(source)

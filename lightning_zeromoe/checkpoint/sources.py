@@ -1,0 +1,250 @@
+"""Where each tensor DeepSpeed saved lives in the shard files, and reading one at a time.
+
+:func:`catalog` opens every file once (memory-mapped; only pickles are read) and returns, per
+DeepSpeed name, a *source*: the file pieces that make up the full tensor. :class:`Reader` then
+rebuilds one tensor from its source on demand, and :meth:`Reader.release` unmaps the files so
+that pages read for earlier output shards do not stay resident.
+
+Layouts read:
+
+* ZeRO-3: ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (param_shapes, buffers, frozen fragments,
+  ``ds_autoep_layers``) and ``..._optim_states.pt`` (``fp32_flat_groups``) for every rank R.
+* ZeRO-1/2 (and 0): ``mp_rank_00_model_states.pt`` holds the full module state in the training
+  dtype (expert weights removed), and ``layer_L_expert_E_mp_rank_00_model_states.pt`` one
+  expert's ``w1``/``w2``/``w3`` each.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from lightning_zeromoe.checkpoint.errors import NOT_A_CHECKPOINT, SHARDS_MISMATCH, ExportError
+from lightning_zeromoe.checkpoint.loading import load_shard
+from lightning_zeromoe.checkpoint.meta import ExportMeta
+from lightning_zeromoe.checkpoint.partition import (FlatSlice, flat_slices, global_expert_ids, group_records,
+                                                    check_expert_ids, join_pieces, partition_members, read_slice)
+
+_ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
+_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
+_DENSE_MODEL = "mp_rank_00_model_states.pt"
+
+
+@dataclass(frozen=True)
+class FlatSource:
+    """A ZeRO-3 trainable tensor: the same slice of each member's flat fp32 partition."""
+
+    pieces: tuple[tuple[Path, int], ...]  # (optimizer file, sub-group), in partition-rank order
+    slice: FlatSlice
+
+
+@dataclass(frozen=True)
+class FragmentSource:
+    """A ZeRO-3 frozen parameter: each rank's fragment in its model file."""
+
+    files: tuple[Path, ...]
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModuleSource:
+    """A full tensor stored under ``key`` in a model file (ZeRO-1/2 weights, buffers)."""
+
+    file: Path
+    key: str
+
+
+@dataclass(frozen=True)
+class ExpertFileSource:
+    """One expert's weight in a ZeRO-1/2 per-expert file (read as ``[1, ...]``)."""
+
+    file: Path
+    key: str
+
+
+@dataclass(frozen=True)
+class ExpertSource:
+    """AutoEP's ``[E, ...]`` expert weight, from per-rank pieces holding the given global ids."""
+
+    name: str
+    num_experts: int
+    parts: tuple[tuple[tuple[int, ...], "Source"], ...]
+
+
+Source = Union[FlatSource, FragmentSource, ModuleSource, ExpertFileSource, ExpertSource]
+
+
+@dataclass
+class Catalog:
+    tensors: dict[str, Source] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+
+
+class Reader:
+    """Rebuilds full tensors from sources, keeping the files it opened until :meth:`release`."""
+
+    def __init__(self, *, trust_checkpoint: bool = False) -> None:
+        self.trust_checkpoint = trust_checkpoint
+        self._open: dict[Path, dict[str, Any]] = {}
+
+    def file(self, path: Path) -> dict[str, Any]:
+        if path not in self._open:
+            self._open[path] = load_shard(path, trust_checkpoint=self.trust_checkpoint)
+        return self._open[path]
+
+    def release(self) -> None:
+        """Drop the open files. ``torch.load``'s results hold reference cycles, so the mappings
+        (and the pages read through them) go only once the cycle collector has run."""
+        import gc
+
+        self._open.clear()
+        gc.collect()
+
+    def read(self, source: Source) -> Any:
+        if isinstance(source, FlatSource):
+            pieces = [read_slice(self.file(f)["optimizer_state_dict"]["fp32_flat_groups"][g], source.slice,
+                                 where=f"{f.name} group {g}") for f, g in source.pieces]
+            return join_pieces(pieces, source.slice.shape)
+        if isinstance(source, FragmentSource):
+            pieces = [self.file(f)["frozen_param_fragments"][source.name] for f in source.files]
+            return join_pieces(pieces, source.shape)
+        if isinstance(source, ModuleSource):
+            return self.file(source.file)["module"][source.key]
+        if isinstance(source, ExpertFileSource):
+            return self.file(source.file)[source.key].unsqueeze(0)
+        return self.fill(source, None)
+
+    def fill(self, source: "ExpertSource", out: Any) -> Any:
+        """Write an expert weight into ``out`` (``[E, ...]``, may be a strided view of a larger
+        output), one rank's piece at a time; ``out=None`` allocates it. No intermediate stack."""
+        import torch
+
+        seen: list[int] = []
+        for ids, sub in source.parts:
+            local = self.read(sub)
+            if local.shape[0] != len(ids):
+                raise ExportError(SHARDS_MISMATCH, f"{source.name}: a rank holds {local.shape[0]} experts but its "
+                                  f"placement lists {list(ids)}. Copy every rank's files from one save.")
+            if out is None:
+                out = torch.empty((source.num_experts, *local.shape[1:]), dtype=local.dtype)
+            out[list(ids)] = local
+            seen += ids
+            del local
+        check_expert_ids(seen, source.num_experts, name=source.name)
+        return out
+
+
+def catalog(ckpt_dir: Path, meta: ExportMeta, *, trust_checkpoint: bool = False) -> Catalog:
+    """Every tensor the shards of ``ckpt_dir / meta.tag`` hold, by DeepSpeed name."""
+    tag_dir = ckpt_dir / meta.tag
+    if not tag_dir.is_dir():
+        raise ExportError(NOT_A_CHECKPOINT, f"{tag_dir} is missing: the DeepSpeed shards of this checkpoint are gone. "
+                          "Copy the whole directory that trainer.save_checkpoint(...) wrote, including its "
+                          f"'{meta.tag}/' folder.")
+    reader = Reader(trust_checkpoint=trust_checkpoint)
+    if meta.zero_stage == 3:
+        return _zero3(tag_dir, meta, reader)
+    return _dense(tag_dir, meta, reader)
+
+
+def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
+    found: dict[int, Path] = {}
+    for f in tag_dir.iterdir():
+        m = _ZERO3_MODEL.fullmatch(f.name)
+        if m:
+            if int(m.group(2)) != 0:
+                raise ExportError(SHARDS_MISMATCH, f"{f.name}: tensor/pipeline-parallel shards (mp_rank > 0) are "
+                                  "not supported.")
+            found[int(m.group(1))] = f
+    world = meta.world_size
+    missing = [r for r in range(world) if r not in found]
+    if missing or len(found) != world:
+        raise ExportError(SHARDS_MISMATCH, f"{tag_dir} holds model shards for ranks {sorted(found)} but the run had "
+                          f"{world} ranks (missing: {missing or 'none'}; extra: "
+                          f"{sorted(set(found) - set(range(world))) or 'none'}). Copy every rank's files: each holds "
+                          "a different part of the model.")
+    models = [found[r] for r in range(world)]
+    optims = [f.with_name(f.name.replace("_model_states.pt", "_optim_states.pt")) for f in models]
+    for o in optims:
+        if not o.is_file():
+            raise ExportError(SHARDS_MISMATCH, f"{o} is missing: under ZeRO-3 the weights live in the optimizer "
+                              "shards (fp32 master copies). Copy every rank's *_optim_states.pt file.")
+    out = Catalog(files=models + optims)
+    shapes, records, layers = [], [], []
+    for rank, (mf, of) in enumerate(zip(models, optims)):
+        model, optim = reader.file(mf), reader.file(of)
+        osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
+        if not isinstance(osd, dict) or "fp32_flat_groups" not in osd or "param_shapes" not in model:
+            raise ExportError(SHARDS_MISMATCH, f"{of} / {mf} are not ZeRO stage-3 shards (no fp32_flat_groups / "
+                              "param_shapes) although zeromoe_meta.json says stage 3: the directory mixes saves.")
+        shapes.append([dict(s) for s in model["param_shapes"]])
+        n = len(osd["fp32_flat_groups"])
+        if n != len(shapes[-1]):
+            raise ExportError(SHARDS_MISMATCH, f"{mf}: {len(shapes[-1])} parameter groups but {n} flat fp32 partitions "
+                              f"in {of.name}: the two files come from different saves. Copy both from one save.")
+        records.append(group_records(osd.get("ds_zero_partition_groups"), num_groups=n, rank=rank, world_size=world))
+        if len(records[-1]) != len(records[0]):
+            raise ExportError(SHARDS_MISMATCH, f"{mf} has {len(records[-1])} parameter groups, rank 0 has "
+                              f"{len(records[0])}: the shards come from different runs. Copy all ranks' files from one save.")
+        layers.append({e["expert_key_prefix"]: e for e in (model.get("ds_autoep_layers") or [])})
+        if rank == 0:
+            for name in model.get("buffer_names") or []:
+                if name in model.get("module", {}):
+                    out.tensors[name] = ModuleSource(mf, name)
+            for name, shape in (model.get("frozen_param_shapes") or {}).items():
+                out.tensors[name] = FragmentSource(tuple(models), name, tuple(int(s) for s in shape))
+    reader.release()
+    experts: dict[str, list[tuple[tuple[int, ...], Source]]] = {}
+    for g in range(len(records[0])):
+        for key, members in partition_members(records, g).items():
+            names = shapes[members[0]][g]
+            if any(shapes[m][g] != names for m in members):
+                raise ExportError(SHARDS_MISMATCH, f"parameter group {g} lists other parameters on ranks {members}: "
+                                  "the shards come from different runs. Copy every rank's files from one save.")
+            for piece in flat_slices(names, len(key)):
+                src = FlatSource(tuple((optims[m], g) for m in members), piece)
+                if not records[members[0]][g].is_expert:
+                    if piece.name in out.tensors:
+                        raise ExportError(SHARDS_MISMATCH, f"{piece.name} appears in two partition groups; the shards "
+                                          "are inconsistent.")
+                    out.tensors[piece.name] = src
+                    continue
+                layer = layers[members[0]].get(piece.name.rsplit(".", 1)[0])
+                if layer is None:
+                    raise ExportError(SHARDS_MISMATCH, f"{models[members[0]].name}: expert parameter {piece.name} has "
+                                      "no ds_autoep_layers entry.")
+                experts.setdefault(piece.name, []).append((tuple(global_expert_ids(layer)), src))
+    for name, parts in experts.items():
+        total = layers[0][name.rsplit(".", 1)[0]]["num_experts"]
+        out.tensors[name] = ExpertSource(name, int(total), tuple(parts))
+    return out
+
+
+def _dense(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
+    model_file = tag_dir / _DENSE_MODEL
+    if not model_file.is_file():
+        raise ExportError(SHARDS_MISMATCH, f"{model_file} is missing: a ZeRO stage-{meta.zero_stage} checkpoint keeps "
+                          "the model weights there. Copy the whole directory trainer.save_checkpoint(...) wrote.")
+    model = reader.file(model_file)
+    out = Catalog(files=[model_file])
+    for name in model.get("module") or {}:
+        out.tensors[name] = ModuleSource(model_file, name)
+    by_layer: dict[int, dict[int, Path]] = {}
+    for f in tag_dir.iterdir():
+        m = _EXPERT_FILE.fullmatch(f.name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), {})[int(m.group(2))] = f
+            out.files.append(f)
+    for entry in model.get("ds_autoep_layers") or []:
+        files = by_layer.get(int(entry["moe_layer_id"]), {})
+        prefix = entry["expert_key_prefix"]
+        for w in ("w1", "w2", "w3"):
+            parts = tuple(((e,), ExpertFileSource(f, f"{prefix}.{w}.{e}")) for e, f in sorted(files.items()))
+            out.tensors[f"{prefix}.{w}"] = ExpertSource(f"{prefix}.{w}", int(entry["num_experts"]), parts)
+    reader.release()
+    return out
+
+
