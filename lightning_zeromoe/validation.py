@@ -22,13 +22,6 @@ class ZeroMoEConfigError(ValueError):
     it; ``entry_id`` holds that id.
     """
 
-    entry_id: str | None = None
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        if message.startswith("[") and "] " in message:
-            self.entry_id = message[1:message.index("] ")]
-
     @property
     def entry_id(self) -> str | None:
         """The knowledge-base entry the message cites (``[<entry-id>] ...``), if any."""

@@ -3,7 +3,10 @@ written outside the knowledge base (used by tests/test_knowledge_citations.py).
 
 A citation is a call of the citation API with the entry (and fix / message) id as arguments:
 ``knowledge.fix(entry, fix)``, ``knowledge.message(entry, message)``, ``knowledge.get(entry)``
-(also through ``from troubleshooter.knowledge import fix``), or an ``entry="id"`` keyword.
+(also through ``from troubleshooter.knowledge import fix``), an ``entry="id"`` keyword, or a
+walkthrough step ``Step(title, "entry-id", ("fix-id", ...), ...)`` (``troubleshooter/walkthroughs``):
+its fix ids are citations, resolved by ``Step.advice``, the one place allowed to pass ids it
+received (``RESOLVERS``).
 An id argument may be a literal, ``a if c else b`` of literals, or a lookup in a module-level
 dict of literals (``NOTES.get(key, "default")``, ``NOTES[key]``): all its possible values are
 checked. Anything else is reported as unresolved (except ``get(variable)``: a lookup of an id
@@ -33,8 +36,16 @@ ADVICE_RE = re.compile(r"(?:^|[.;:!?]\s+|\(\s*|\n\s*)(?:Or |Then |Instead, )?(?:
                        + r")\s+[\w'\"`{(./-]\S*")
 #: Keywords whose string value is documentation of the interface, not advice about a problem.
 DOC_KEYWORDS = {"help", "description", "epilog", "metavar", "usage", "prog", "title"}
+#: Positional arguments that are UI labels (a step's title and check-button label, a button's
+#: caption, a walkthrough's title), not advice: short names of what a step does.
+LABEL_ARGS = {"Step": (0, 3), "Walkthrough": (1,), "_button": (0,)}
 #: Keywords whose string value is advice by definition (it must be a citation instead).
 ADVICE_KEYWORDS = {"fix", "fixes", "why", "advice", "hint"}
+
+
+#: (file, function) pairs that resolve ids checked elsewhere: ``Step.advice`` looks up the fix ids
+#: every ``Step(...)`` construction cites, and those constructions are scanned as citations.
+RESOLVERS = {("troubleshooter/walkthroughs/base.py", "advice")}
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,9 @@ def _values(node: ast.AST, dicts: dict[str, tuple[str, ...]]) -> tuple[str, ...]
     """Every string the expression can be, or None when that is not known statically."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return (node.value,)
+    if isinstance(node, ast.Tuple):
+        parts = [_values(e, dicts) for e in node.elts]
+        return None if any(p is None for p in parts) else tuple(v for p in parts for v in p)
     if isinstance(node, ast.IfExp):
         a, b = _values(node.body, dicts), _values(node.orelse, dicts)
         return None if a is None or b is None else a + b
@@ -124,8 +138,15 @@ def citations(path: Path) -> list[Citation]:
     modules, funcs = _aliases(tree)
     dicts = _module_dicts(tree)
     out: list[Citation] = []
+    resolver_calls = {id(sub) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                      and (_rel(path), fn.name) in RESOLVERS for sub in ast.walk(fn)}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id == "Step" and len(node.args) >= 3:
+            entries, ids = _values(node.args[1], dicts), _values(node.args[2], dicts)
+            out.append(Citation(_rel(path), node.lineno, "fix", entries or (), ids or (),
+                                entries is None or ids is None))
             continue
         name = None
         if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
@@ -141,6 +162,8 @@ def citations(path: Path) -> list[Citation]:
         entries = _values(node.args[0], dicts)
         ids = _values(node.args[1], dicts) if name != "get" and len(node.args) > 1 else ()
         unresolved = entries is None or ids is None
+        if unresolved and id(node) in resolver_calls:
+            continue
         if name == "get" and unresolved:
             continue  # get(variable) looks up an id that came from data (a finding's rule)
         out.append(Citation(_rel(path), node.lineno, "entry" if name == "get" else name,
@@ -159,7 +182,12 @@ def _string_nodes(tree: ast.Module):
                     parents[id(sub)] = kw.arg
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.JoinedStr):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LABEL_ARGS:
+            for i in LABEL_ARGS[node.func.id]:
+                if i < len(node.args):
+                    skip |= {id(sub) for sub in ast.walk(node.args[i])}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) and id(node) not in skip:
             text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
             skip |= {id(v) for v in node.values}
             yield node, text, parents.get(id(node))

@@ -16,11 +16,9 @@ import pytest
 import knowledge_scan as scan
 from troubleshooter import knowledge, lint
 
-#: Files still holding hand-written advice because they are being converted in other branches
-#: (doctor/: helper tsexplain; widgets.py -> walkthroughs/: helper jupyter). Exempt from the
-#: prose check ONLY (their citations are checked). The integrator removes this set after merging
-#: those branches; nothing else may be added to it.
-PENDING = {"troubleshooter/doctor/", "troubleshooter/widgets.py", "troubleshooter/walkthroughs/"}
+#: Files exempt from the prose check (their citations are still checked). Empty: the doctor and
+#: the walkthroughs cite the knowledge base like everything else. Nothing may be added to it.
+PENDING: set[str] = set()
 
 
 def _pending(path: str) -> bool:
@@ -68,7 +66,7 @@ def test_pending_exemptions_are_only_the_branches_being_converted():
     mine = {"troubleshooter/lint/", "troubleshooter/cli.py", "troubleshooter/render.py",
             "troubleshooter/argtypes.py", "troubleshooter/ds_schema.py", "troubleshooter/explain.py"}
     assert not any(_pending(m) for m in mine)
-    assert PENDING <= {"troubleshooter/doctor/", "troubleshooter/widgets.py", "troubleshooter/walkthroughs/"}
+    assert PENDING == set()
 
 
 def test_the_scan_catches_hand_written_advice_and_bad_citations(tmp_path):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe import MoEPattern, checkpoint, pitfalls
+from lightning_zeromoe.checkpoint.export import check_output
 from lightning_zeromoe.discovery import discover
 from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
 from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
@@ -121,19 +122,19 @@ def test_export_errors_name_their_entry(tmp_path):
     file = tmp_path / "model.ckpt"
     file.write_text("x")
     out = tmp_path / "out.safetensors"
-    cases = {tmp_path / "missing": "export-checkpoint-dir", file: "export-checkpoint-dir",
-             tmp_path: "export-checkpoint-dir"}
+    cases = {tmp_path / "missing": "export-not-a-checkpoint", file: "export-not-a-checkpoint",
+             tmp_path: "export-not-a-checkpoint"}
     for ckpt, expected in cases.items():
         with pytest.raises(checkpoint.ExportError) as err:
             checkpoint.export(ckpt, out, progress=False)
         assert err.value.entry_id == expected
         _check(str(err.value), expected)
     with pytest.raises(checkpoint.ExportError) as err:
-        checkpoint._check_output(file, tmp_path / "ckpt", overwrite=False)
-    _check(str(err.value), "export-output")
+        check_output(file, tmp_path / "ckpt", overwrite=False)
+    _check(str(err.value), "export-output-path")
 
 
 def test_every_own_error_entry_exists_and_the_prefix_alone_is_recognised():
-    for entry_id in ("zero3-module-move", "export-shards", "export-output", "moe-top-k-range"):
+    for entry_id in ("zero3-module-move", "export-shards-mismatch", "export-output-path", "moe-top-k-range"):
         assert knowledge.match(f"RuntimeError: [{entry_id}] anything")[0].entry.id == entry_id
     assert not knowledge.match("see [batch-arithmetic]: x")  # a citation in prose is not an error

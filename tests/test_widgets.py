@@ -88,7 +88,7 @@ def test_host_ram_oom_gets_the_host_walkthrough():
     assert walk.title == "Out of memory (host RAM)"
     assert "Host RAM ran out." in html.unescape(walk.header.value)
     assert "A GPU allocation failed" not in html.unescape(walk.header.value)
-    assert walk.steps[0].fixes == ("confirm-check-dmesg-grep",)
+    assert walk.steps[0].fixes == ("confirm-with-dmesg",)
 
 
 def test_oom_walkthrough_reads_the_numbers_of_the_users_gpu_error_and_patches_their_config():

@@ -42,11 +42,11 @@ BUDGET_MB = 32
 
 #: (rung name, what changes, knowledge-base fix of entry cuda-oom it implements)
 OOM_LADDER = (
-    ("measure", "no change: the step as it is", "measure"),
-    ("micro-batch down, accumulation up", "micro-batch / 2, gradient accumulation x 2", "lower-train-micro-batch"),
-    ("activation checkpointing", "recompute each layer in backward", "turn-activation-checkpointing-model"),
-    ("ZeRO stage up", "partition states over more ranks (needs >= 2 data-parallel ranks)", "move-up-zero-stage"),
-    ("offload", "optimizer states to host memory, last", "offload-optimizer-states-offload"),
+    ("measure", "no change: the step as it is", "measure-memory"),
+    ("micro-batch down, accumulation up", "micro-batch / 2, gradient accumulation x 2", "lower-micro-batch"),
+    ("activation checkpointing", "recompute each layer in backward", "activation-checkpointing"),
+    ("ZeRO stage up", "partition states over more ranks (needs >= 2 data-parallel ranks)", "raise-zero-stage"),
+    ("offload", "optimizer states to host memory, last", "offload-last"),
 )
 
 

@@ -41,7 +41,7 @@ BUILDERS: dict[str, Callable[..., Walkthrough]] = {
 WALKTHROUGH_FOR = {**{f: f for f in BUILDERS}, "autoep": "native-moe-zero3"}
 
 _TITLES = {"oom": "Out of memory (GPU)", "router-collapse": "Router collapse / load imbalance",
-           "timeout": "Collective timeout", "install": "Install or CUDA mismatch",
+           "timeout": "Collective timeout", "install": "CUDA mismatch or install problem",
            "native-moe-zero3": "ZeRO-3 with native MoE", "zero3-pitfalls": "ZeRO-3 pitfalls"}
 
 

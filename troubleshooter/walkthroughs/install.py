@@ -28,11 +28,11 @@ def _recheck(*families: str) -> Callable[[], TryResult]:
 
 def install_walkthrough(context: UserContext | None = None) -> Walkthrough:
     steps = [
-        Step("Versions and known-bad combinations", "autoep-transformers-5.23", ("pin-transformers-below-5",),
+        Step("Versions and known-bad combinations", "autoep-transformers-5.23", ("pin-transformers",),
              "Check versions", lambda: doctor_check("versions"),
              lambda: text_diff("deepspeed==0.19.8\ntransformers\n", "deepspeed==0.19.8\ntransformers>=5.17,<5.23\n",
                                "requirements.txt"), _recheck("versions")),
-        Step("torch's CUDA vs the system CUDA", "cuda-version-mismatch", ("compare-two", "install-torch-wheel-built"),
+        Step("torch's CUDA vs the system CUDA", "cuda-version-mismatch", ("compare-cuda-versions", "install-matching-torch"),
              "Check CUDA", lambda: doctor_check("cuda"),
              lambda: text_diff("pip install torch\n",
                                "pip install torch --index-url https://download.pytorch.org/whl/cu124\n", "setup.sh"),
@@ -41,11 +41,11 @@ def install_walkthrough(context: UserContext | None = None) -> Walkthrough:
              "Check the build tools", lambda: doctor_check("build"),
              lambda: text_diff("pip install deepspeed\n", "apt-get install -y build-essential ninja-build\n"
                                "pip install deepspeed\n", "setup.sh"), _recheck("build")),
-        Step("Stale JIT build locks", "stale-extension-lock", ("make-sure-no-build", "build-directory-half-written"),
+        Step("Stale JIT build locks", "stale-extension-lock", ("delete-stale-lock", "delete-half-built-op"),
              "Look for stale locks", lambda: doctor_check("env"),
              lambda: text_diff("python train.py\n", "find ${TORCH_EXTENSIONS_DIR:-~/.cache/torch_extensions} "
                                "-name lock -delete\npython train.py\n", "launch.sh"), _recheck("env")),
     ]
-    return Walkthrough("install", "Install or CUDA mismatch",
+    return Walkthrough("install", "CUDA mismatch or install problem",
                        ("cuda-version-mismatch", "cuda-home-missing", "missing-compiler", "stale-extension-lock"),
                        steps, context)

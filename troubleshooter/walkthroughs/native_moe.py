@@ -41,17 +41,17 @@ def native_moe_walkthrough(config: Mapping | None = None, world_size: int = 2,
     stage2 = {"zero_optimization": {"stage": 2}, "moe": None}
     autoep = knowledge.get("native-moe-zero3").patch_json()
     steps = [
-        Step("Lint the config", "native-moe-zero3", ("either-keep-native-moe",), "Lint the config",
+        Step("Lint the config", "native-moe-zero3", ("native-moe-stage2",), "Lint the config",
              lambda: lint_check(config, world_size, label), lambda: config_diff(config, stage2, label), _run_try),
         Step("Or keep ZeRO-3 and use AutoEP", "native-moe-zero3",
-             ("keep-zero-3-switch", "lightning-zeromoestrategy-ep-size"), "Lint the AutoEP config",
+             ("stage3-use-autoep", "use-zeromoe-strategy"), "Lint the AutoEP config",
              lambda: lint_check(merge_patch(config, autoep), world_size, f"{label}, AutoEP"),
              lambda: config_diff(config, autoep, label) + text_diff(
                  "strategy = DeepSpeedStrategy(config=ds_config)\n",
                  "from lightning_zeromoe import ZeroMoEStrategy\n\nstrategy = ZeroMoEStrategy(ep_size=2)\n"),
              try_unavailable="lightning_zeromoe's demo and notebook 04 run AutoEP under ZeRO-3 on 2 CPU processes."),
         Step("Native MoE under ZeRO 1/2: MoE parameter groups", "moe-param-groups",
-             ("build-optimizer-split-groups", "let-deepspeed-build-optimizer"), "Lint the stage-2 config",
+             ("split-moe-groups", "config-optimizer"), "Lint the stage-2 config",
              lambda: lint_check(merge_patch(config, stage2), world_size, f"{label}, stage 2"),
              lambda: knowledge.get("moe-param-groups").patch or "", _run_try),
     ]

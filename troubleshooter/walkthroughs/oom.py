@@ -108,11 +108,11 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
                        + (rec.setup.label if rec.setup else "nothing fits"), rec.fits, {},
                        [rec.reason, *p.table().splitlines()])
 
-    micro_step = Step("Micro-batch down, gradient accumulation up", "cuda-oom", ("lower-train-micro-batch",),
+    micro_step = Step("Micro-batch down, gradient accumulation up", "cuda-oom", ("lower-micro-batch",),
                       "Lint the patched config", lambda: lint_check(merge_patch(config, half), world_size,
                                                                     f"{label}, patched"),
                       lambda: config_diff(config, half, label), _ladder_try(0, 1))
-    ckpt_step = Step("Activation checkpointing", "cuda-oom", ("turn-activation-checkpointing-model",),
+    ckpt_step = Step("Activation checkpointing", "cuda-oom", ("activation-checkpointing",),
                      "Measure with checkpointing (example)", _measure_checkpointing,
                      lambda: text_diff("for layer in model.layers:\n    x = layer(x)\n",
                                        "from torch.utils.checkpoint import checkpoint\n\nfor layer in model.layers:\n"
@@ -127,18 +127,18 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
                 return f"(nothing to change: {label} offloads nothing to host memory)"
             return config_diff(config, offload_less, label)
         steps = [
-            Step("Confirm it is host RAM", "cpu-oom", ("confirm-check-dmesg-grep",), "Check host memory",
+            Step("Confirm it is host RAM", "cpu-oom", ("confirm-with-dmesg",), "Check host memory",
                  lambda: doctor_check("host"),
                  lambda: text_diff("trainer.fit(module)\n", "import resource\n\ntrainer.fit(module)\n"
                                    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, 'MiB peak RSS')\n"),
                  try_unavailable="This step reads this machine's memory; nothing to rerun."),
-            Step("Build the model partitioned", "cpu-oom", ("build-model-partitioned-start",), "Lint the config",
+            Step("Build the model partitioned", "cpu-oom", ("build-partitioned",), "Lint the config",
                  lambda: lint_check(config, world_size, label),
                  lambda: text_diff("model = AutoModelForCausalLM.from_pretrained(name)\n",
                                    "import deepspeed\n\nwith deepspeed.zero.Init(config_dict_or_path=ds_config):\n"
                                    "    model = AutoModelForCausalLM.from_pretrained(name)\n"),
                  try_unavailable="Loading a pretrained model partitioned needs several ranks and the model's weights."),
-            Step("Keep less on the host", "cpu-oom", ("reduce-what-offload-keeps",), "Lint the config",
+            Step("Keep less on the host", "cpu-oom", ("reduce-offload",), "Lint the config",
                  lambda: lint_check(merge_patch(config, offload_less), world_size, f"{label}, patched"),
                  offload_diff,
                  try_unavailable="Offload needs a GPU to offload from."),
@@ -149,7 +149,7 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
         numbers = context.oom
         if numbers is not None:
             first = Step("Read the numbers of your error", "cuda-oom",
-                         ("measure", "fragmentation-pytorch-alloc-conf") if numbers.fragmentation else ("measure",),
+                         ("measure-memory", "expandable-segments") if numbers.fragmentation else ("measure-memory",),
                          "Read the sizes in the message", lambda: _read_numbers(context),
                          lambda: text_diff("python train.py\n", "PYTORCH_ALLOC_CONF=expandable_segments:True "
                                            "python train.py\n", "launch.sh") if numbers.fragmentation else
@@ -158,7 +158,7 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
                                    "print(f\"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB\")\n"),
                          try_unavailable="Your GPU's numbers are read from the message; nothing to rerun here.")
         else:
-            first = Step("Measure before changing anything", "cuda-oom", ("measure",), "Measure the example step",
+            first = Step("Measure before changing anything", "cuda-oom", ("measure-memory",), "Measure the example step",
                          _measure_example,
                          lambda: text_diff("loss.backward()\noptimizer.step()\n",
                                            "torch.cuda.reset_peak_memory_stats()\nloss.backward()\noptimizer.step()\n"
@@ -166,12 +166,12 @@ def oom_walkthrough(config: Mapping | None = None, world_size: int = 1, num_gpus
                          try_unavailable="This step measures; the next ones rerun the example with each fix.")
         steps = [
             first, micro_step, ckpt_step,
-            Step("ZeRO stage up", "cuda-oom", ("move-up-zero-stage",), "Ask the memory planner", plan_check,
+            Step("ZeRO stage up", "cuda-oom", ("raise-zero-stage",), "Ask the memory planner", plan_check,
                  lambda: config_diff(config, stage_up, label),
                  try_unavailable="ZeRO partitions over data-parallel ranks: a 1-process reproduction cannot show it. "
                                  "The planner's per-GPU numbers are the check."),
             Step("Offload, last", "offload-last-resort",
-                 ("try-order-before-offloading", "still-need-offload-optimizer", "pin-memory"),
+                 ("try-before-offload", "offload-optimizer-only", "check-pinned-memory"),
                  "Lint the offload config", lambda: lint_check(merge_patch(config, offload), world_size,
                                                                f"{label}, with offload"),
                  lambda: config_diff(config, offload, label),

@@ -37,13 +37,13 @@ def pitfalls_walkthrough(model: Any = None, context: UserContext | None = None) 
 
     steps = [
         Step("Tied or shared weights", "zero3-param-not-available",
-             ("module-uses-another-module", "read-full-parameters-inside"), "Find tied parameters", tied_check,
+             ("register-external-parameter", "gather-parameters"), "Find tied parameters", tied_check,
              lambda: text_diff("strategy = ZeroMoEStrategy(ep_size=2)\n",
                                "strategy = ZeroMoEStrategy(\n    ep_size=2, shared_parameters={\"head\": "
                                "[\"embed.weight\"]})\n"),
              _pit_try("tied_weights")),
         Step("Device and dtype moves in forward", "device-mismatch",
-             ("create-tensors-device-existing", "register-submodules-buffers-properly"), "Scan forward for moves",
+             ("create-on-existing-device", "register-submodules"), "Scan forward for moves",
              lambda: scan_forward_sources(model),
              lambda: text_diff("    def forward(self, x):\n        self.proj.to(\"cuda\")\n"
                                "        mask = torch.ones(x.shape[1]).cuda()\n",
@@ -51,7 +51,7 @@ def pitfalls_walkthrough(model: Any = None, context: UserContext | None = None) 
                                "model.py"),
              _pit_try("device_move")),
         Step("Stale parameter copies (cached .data)", "zero3-param-not-available",
-             ("read-full-parameters-inside", "run-model-code-through"), "Scan forward for .data",
+             ("gather-parameters", "call-through-engine"), "Scan forward for .data",
              lambda: scan_forward_sources(model),
              lambda: text_diff("    def forward(self, x):\n        if self._w is None:\n"
                                "            self._w = self.proj.weight.data\n        return x @ self._w.t()\n",

@@ -59,25 +59,25 @@ def router_walkthrough(steps_: int | None = None, context: UserContext | None = 
 
     fp16_fix = knowledge.get("fp16-moe").patch_json()
     steps = [
-        Step("Measure the expert shares", "router-collapse", ("measure-log-tokens-per",), "Measure routing (example)",
+        Step("Measure the expert shares", "router-collapse", ("log-expert-load",), "Measure routing (example)",
              measure,
              lambda: text_diff("trainer.fit(module)\n",
                                "from lightning_zeromoe.telemetry import expert_shares, global_counts\n\n"
                                "trainer.fit(module)\nfor layer, counts in global_counts(module).items():\n"
                                "    print(layer, [f\"{s:.0%}\" for s in expert_shares(counts)])\n"),
              try_unavailable="This step measures; the next ones rerun the example with each fix."),
-        Step("Add the load-balancing loss (0.01)", "router-collapse", ("add-load-balancing-loss",),
+        Step("Add the load-balancing loss (0.01)", "router-collapse", ("add-aux-loss",),
              "Measure routing (example)", measure,
              lambda: text_diff(rr.config_source(aux_loss_weight=0.0), rr.config_source(aux_loss_weight=0.01),
                                "train.py"),
              pair_try("aux_only")),
         Step("bf16 rather than fp16, longer warm-up", "fp16-moe",
-             ("bf16-where-hardware-supports", "must-stay-fp16", "watch-skipped-step-count"),
+             ("use-bf16", "stabilise-fp16", "watch-skipped-steps"),
              f"Lint {'the example fp16 config' if example else label}",
              lambda: lint_check(precision_config, context.world_size or 2, label),
              lambda: config_diff(precision_config, fp16_fix, label),
              try_unavailable="The CPU reproduction trains in fp32; precision effects need a GPU."),
-        Step("Router initialisation (and noise)", "router-collapse", ("check-router-s-initialisation",),
+        Step("Router initialisation (and noise)", "router-collapse", ("check-router-init",),
              "Measure routing (example)", measure,
              lambda: text_diff(rr.config_source(aux_loss_weight=0.01), rr.config_source(aux_loss_weight=0.01,
                                                                                       extreme_init=False), "train.py"),

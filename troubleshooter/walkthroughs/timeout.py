@@ -42,19 +42,19 @@ def timeout_walkthrough(log: str | None = None, context: UserContext | None = No
                          "what ZeroMoEStrategy runs after deepspeed.initialize.")
 
     steps = [
-        Step("Find the first failure", "nccl-watchdog-timeout", ("find-failure",), "Read the log / check timeouts",
+        Step("Find the first failure", "nccl-watchdog-timeout", ("find-first-failure",), "Read the log / check timeouts",
              first_failure,
              lambda: text_diff("export NCCL_TIMEOUT=3600\n", "# NCCL_TIMEOUT is read by nothing\n"
                                "grep -n -m1 -E 'Traceback|Error|out of memory' logs/rank*.log\n", "launch.sh"),
              try_unavailable="No reproduction: a timeout is the echo of another failure."),
-        Step("Raise the timeout where it is read", "nccl-watchdog-timeout", ("work-genuinely-slow-saving",),
+        Step("Raise the timeout where it is read", "nccl-watchdog-timeout", ("raise-timeout-where-read",),
              "Check timeout settings", lambda: doctor_check("timeouts"),
              lambda: text_diff("strategy = ZeroMoEStrategy(ep_size=8)\n",
                                "from datetime import timedelta\n\n"
                                "strategy = ZeroMoEStrategy(ep_size=8, timeout=timedelta(minutes=60))\n"),
              try_group_timeouts),
         Step("Same collectives, same order, on every rank", "nccl-watchdog-timeout",
-             ("make-collective-order-identical", "nccl-debug-info-torch"), "Check NCCL settings",
+             ("same-collective-order", "nccl-debug"), "Check NCCL settings",
              lambda: doctor_check("nccl"),
              lambda: text_diff("if trainer.global_rank == 0:\n    trainer.save_checkpoint(path)\n",
                                "trainer.save_checkpoint(path)  # collective under ZeRO-3: every rank calls it\n"),
