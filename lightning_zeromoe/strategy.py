@@ -528,17 +528,20 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         start = time.monotonic()
         outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
+        failure: BaseException | None = None
         if self.is_global_zero:
             try:
                 trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
                              for name, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad}
                 outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, self.config.get("expert_parallel"),
                                                                  log=rank_zero_info)
-            except resume.ResumeShapeError as err:
-                outcome[2] = str(err)
+            except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
+                failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
         outcome = self.broadcast(outcome)  # the other ranks wait here for the conversion
+        if failure is not None:
+            raise failure
         if outcome[2]:
-            raise resume.ResumeShapeError(outcome[2].split("] ", 1)[-1])
+            raise resume.ResumeShapeError(outcome[2])
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         with resume.universal_loading(self.deepspeed_engine):
             _, client_state = self.deepspeed_engine.load_checkpoint(
