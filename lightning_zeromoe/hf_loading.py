@@ -24,8 +24,8 @@ Inside a LightningModule's ``configure_model``, under ``ZeroMoEStrategy`` at sta
 While :func:`transformers_zero3` is active that last step is replaced by
 :func:`load_into_partitions`: each rank copies only *its own* slice of each tensor from the mapped
 file into ``param.ds_tensor`` (its partition), with no gather and no collective, and then tells the
-kernel it is done with those file pages (``madvise(MADV_PAGEOUT)``: pages of a file mapping are
-dropped and re-read if touched again; a hint, never a change of data). Peak memory per rank is its
+kernel it is done with those file pages (``madvise(MADV_DONTNEED)``: pages of a file mapping are
+dropped and re-read if touched again; only for read-only file mappings, so never a change of data). Peak memory per rank is its
 partition plus one tensor's slice. Transformers' own key handling is kept: its weight conversions
 (``load_config.weight_mapping``, e.g. legacy per-expert Mixtral checkpoints fused into
 ``gate_up_proj``) and ``base_model_prefix`` renaming run first. The original loader is used instead
@@ -56,7 +56,7 @@ PRIVATE_NAMES = {
     "deepspeed.runtime.zero.partition_parameters": ("ZeroParamStatus",),
 }
 
-_MADV_PAGEOUT = 21  # Linux >= 5.4; elsewhere madvise fails with EINVAL and nothing happens
+_MADV_DONTNEED = 4  # Linux
 
 
 class _Zero3Flag:
@@ -129,39 +129,69 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     Same contract as transformers' ``_load_state_dict_into_zero3_model``: returns
     ``(error_msgs, missing_keys)`` and marks every loaded parameter ``_is_hf_initialized`` so
     transformers initialises only the missing ones. Parameters that are not ZeRO-3 partitioned
-    (no ``ds_tensor``) are copied whole. Buffers are copied whole (ZeRO-3 never partitions them).
+    (no ``ds_tensor``) are copied whole; buffers too (ZeRO-3 never partitions them).
+
+    Weight conversions run one layer at a time (:func:`layer_groups`): transformers' own
+    ``_apply_weight_conversions_to_state_dict`` fuses *every* layer's experts before loading any,
+    which materialises all expert weights on every rank at once (measured: 2.6x the fp32 model per
+    rank for a legacy-format Mixtral, the format ``save_pretrained`` writes in transformers 5.22).
     """
     from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
 
     weight_mapping = getattr(load_config, "weight_mapping", None)
     if weight_mapping:
-        state_dict = _apply_weight_conversions_to_state_dict(model, dict(state_dict), weight_mapping)
         model._weight_conversions = weight_mapping  # transformers keeps it for save_pretrained
+    targets: dict[str, tuple[torch.Tensor, bool]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        targets[name] = (param, True)
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        if buf is not None:
+            targets[name] = (buf, False)
     model_keys = set(model.state_dict().keys())
     prefix = getattr(model, "base_model_prefix", None)
-    state_dict = {(f"{prefix}.{k}" if f"{prefix}.{k}" in model_keys else k): v for k, v in state_dict.items()}
     missing = set(model_keys)
     errors: list[str] = []
-    for mod_name, module in model.named_modules():
-        dot = f"{mod_name}." if mod_name else ""
-        for name, param in module.named_parameters(recurse=False):
-            key = dot + name
-            if key not in state_dict:
+    for keys in layer_groups(state_dict.keys()):
+        group = {k: state_dict[k] for k in keys}
+        if weight_mapping:
+            group = _apply_weight_conversions_to_state_dict(model, group, weight_mapping)
+        for key, tensor in group.items():
+            if prefix and key not in targets and f"{prefix}.{key}" in targets:
+                key = f"{prefix}.{key}"
+            target = targets.get(key)
+            if target is None:
                 continue
             missing.discard(key)
-            error = copy_into_partition(param, state_dict[key], key)
-            if error:
-                errors.append(error)
+            tensor_, is_param = target
+            if is_param:
+                error = copy_into_partition(tensor_, tensor, key)
+                if error:
+                    errors.append(error)
+                else:
+                    tensor_._is_hf_initialized = True
             else:
-                param._is_hf_initialized = True
-        for name, buf in module.named_buffers(recurse=False):
-            key = dot + name
-            if key in state_dict and buf is not None:
-                missing.discard(key)
                 with torch.no_grad():
-                    buf.copy_(state_dict[key])
-                buf._is_hf_initialized = True
+                    tensor_.copy_(tensor)
+                tensor_._is_hf_initialized = True
+                release_pages(tensor)
+        for k in keys:
+            release_pages(state_dict[k])
+        del group
+        _trim_heap()
     return errors, missing
+
+
+def layer_groups(keys: Any) -> list[list[str]]:
+    """Checkpoint keys grouped by the first numbered module in their path (``model.layers.3``);
+    keys without one (embeddings, final norm, head) each on their own. Weight conversions combine
+    tensors within one layer (the experts of a block), never across layers."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        match = re.match(r"^(.*?\.\d+)\.", key)
+        groups.setdefault(match.group(1) if match else key, []).append(key)
+    return list(groups.values())
 
 
 def copy_into_partition(param: torch.Tensor, source: torch.Tensor, key: str = "") -> str | None:
@@ -198,21 +228,57 @@ def copy_into_partition(param: torch.Tensor, source: torch.Tensor, key: str = ""
 
 
 def release_pages(tensor: torch.Tensor) -> None:
-    """Ask the kernel to drop the pages behind ``tensor`` from this process (``MADV_PAGEOUT``).
+    """Drop the pages behind ``tensor`` from this process if it lives in a private mapping of a file.
 
-    For a memory-mapped checkpoint this takes the file pages just read out of the process's
-    resident set (they are re-read from the page cache or disk if touched again). Anonymous pages
-    are left alone without swap, and kept intact with it: the data never changes. No-op where the
-    call is unsupported.
+    For a memory-mapped checkpoint (safetensors 0.8 maps each file privately, ``rw-p``) this takes
+    the file pages just read out of the process's resident set with ``madvise(MADV_DONTNEED)``;
+    touching them again re-reads them from the page cache or the file. Only pages this process
+    wrote to would be lost (a private mapping's copy-on-write pages), and nothing writes to the
+    tensors transformers has just mapped: the loader only reads them. (``MADV_PAGEOUT`` would not
+    do: it skips pages another rank maps too.) Anonymous memory and shared mappings are left alone;
+    so is everything where ``/proc/self/maps`` or ``madvise`` is unavailable.
     """
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or not hasattr(os, "sysconf"):
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
         return
-    page = os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    lo, hi = -(-start // page) * page, end // page * page
+    mapping = _read_only_file_mapping(start, end)
+    if mapping is None:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo, hi = max(mapping[0], -(-start // page) * page), min(mapping[1], end // page * page)
     if hi > lo:
-        _libc().madvise(lo, hi - lo, _MADV_PAGEOUT)
+        _libc().madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+def _read_only_file_mapping(start: int, end: int) -> tuple[int, int] | None:
+    """The ``(start, end)`` of the private mapping of a regular file that holds ``[start, end)``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, _, hi = fields[0].partition("-")
+                lo_i, hi_i = int(lo, 16), int(hi, 16)
+                if lo_i <= start and end <= hi_i:
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    if not fields[1].endswith("p") or not path.startswith("/") or not os.path.isfile(path):
+                        return None
+                    return lo_i, hi_i
+    except OSError:
+        return None
+    return None
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc ``malloc_trim``) after each layer.
+
+    A converted layer's fused expert tensors (tens of MB) are freed right after loading, but glibc
+    serves blocks of that size from its heap once its mmap threshold has adapted to them, and keeps
+    the freed memory: without this, the resident set grows by one layer's conversion per layer.
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 _LIBC: Any = None
