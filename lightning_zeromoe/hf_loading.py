@@ -40,7 +40,9 @@ an upgrade removes one.
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
 import os
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
@@ -53,7 +55,8 @@ PRIVATE_NAMES = {
     "transformers.integrations.deepspeed": ("_apply_weight_conversions_to_state_dict", "_hf_deepspeed_config_weak_ref",
                                             "set_hf_deepspeed_config",
                                             "unset_hf_deepspeed_config", "is_deepspeed_zero3_enabled"),
-    "deepspeed.runtime.zero.partition_parameters": ("ZeroParamStatus",),
+    "deepspeed.runtime.zero.partition_parameters": ("ZeroParamStatus", "shutdown_init_context",
+                                                    "restore_init_context"),
 }
 
 _MADV_DONTNEED = 4  # Linux
@@ -95,14 +98,75 @@ def transformers_zero3(ds_config: Mapping[str, Any] | None) -> Iterator[None]:
     original = modeling_utils._load_state_dict_into_zero3_model
     hf_ds.set_hf_deepspeed_config(flag)
     modeling_utils._load_state_dict_into_zero3_model = _partition_loader(original)
+    finder = ImportOutsideZeroInit()
+    sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
+        sys.meta_path.remove(finder)
         modeling_utils._load_state_dict_into_zero3_model = original
         if previous_ref is None:
             hf_ds.unset_hf_deepspeed_config()
         else:
             hf_ds._hf_deepspeed_config_weak_ref = previous_ref
+
+
+class ImportOutsideZeroInit(importlib.abc.MetaPathFinder):
+    """Import ``transformers.models.*`` modules with ``zero.Init``'s class patching lifted.
+
+    ``AutoModelForCausalLM.from_pretrained`` imports the model's module on first use, here inside
+    ``zero.Init``. ``zero.Init`` wraps the ``__init__`` of every ``nn.Module`` subclass created
+    while it is active and, on exit, puts back the ``__init__`` it saw at class creation. Decorators
+    applied after the class statement are then lost: transformers 5.22's ``@use_experts_implementation``
+    sets ``self.config`` in a wrapped ``__init__``, so every Mixtral built later in the process (a
+    plain reference model, the exported model reloaded) fails with "'MixtralExperts' object has
+    no attribute 'config'" (measured on the rank that had not imported Mixtral before fit).
+    DeepSpeed's own ``shutdown_init_context`` / ``restore_init_context`` lift and restore the
+    patching around the module's execution; classes created there are patched on restore like
+    any existing class, with their finished ``__init__``.
+    """
+
+    _depth = 0
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if not name.startswith("transformers.models."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _OutsideZeroInitLoader(spec.loader)
+        return spec
+
+
+class _OutsideZeroInitLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the real loader
+        return getattr(self.inner, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+
+        outermost = ImportOutsideZeroInit._depth == 0
+        ImportOutsideZeroInit._depth += 1
+        if outermost:
+            shutdown_init_context()
+        try:
+            self.inner.exec_module(module)
+        finally:
+            ImportOutsideZeroInit._depth -= 1
+            if outermost:
+                restore_init_context()
 
 
 def _partition_loader(original: Any) -> Any:
