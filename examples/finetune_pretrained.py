@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_zeromoe.checkpoint import export
 
         ckpt, out_dir = workdir / "checkpoint", workdir / "exported"
-        trainer.save_checkpoint(ckpt)
+        trainer.save_checkpoint(ckpt, weights_only=False)
         if trainer.is_global_zero:
             export(ckpt, out_dir, overwrite=True, progress=False)
             print(f"[export] {ckpt} -> {out_dir} (same as: zeromoe-export {ckpt} {out_dir})", flush=True)
@@ -214,5 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from lightning_zeromoe.notices import silence_known_notices
+
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    silence_known_notices()
     raise SystemExit(main(sys.argv[1:]))
