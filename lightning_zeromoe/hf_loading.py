@@ -306,7 +306,7 @@ def release_pages(tensor: torch.Tensor) -> None:
         return
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    mapping = _read_only_file_mapping(start, end)
+    mapping = _private_file_mapping(start, end)
     if mapping is None:
         return
     page = os.sysconf("SC_PAGE_SIZE")
@@ -315,7 +315,7 @@ def release_pages(tensor: torch.Tensor) -> None:
         _libc().madvise(lo, hi - lo, _MADV_DONTNEED)
 
 
-def _read_only_file_mapping(start: int, end: int) -> tuple[int, int] | None:
+def _private_file_mapping(start: int, end: int) -> tuple[int, int] | None:
     """The ``(start, end)`` of the private mapping of a regular file that holds ``[start, end)``."""
     try:
         with open("/proc/self/maps") as maps:
