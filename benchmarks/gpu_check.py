@@ -142,9 +142,11 @@ def doctor(cuda: bool) -> dict[str, Any]:
         report = json.loads(proc.stdout)
     except json.JSONDecodeError:
         return {"ok": False, "error": f"doctor printed no JSON (exit {proc.returncode}): {proc.stderr[-500:]}"}
-    checks = report.get("checks", report) if isinstance(report, dict) else report
+    checks = report.get("results", report.get("checks", [])) if isinstance(report, dict) else report
     summary = [(c.get("id") or c.get("name"), c.get("status")) for c in checks] if isinstance(checks, list) else []
+    cuda_checks = [c for c in summary if "cuda" in str(c[0]).lower() or "gpu" in str(c[0]).lower()]
     return {"ok": proc.returncode in (0, 1) and bool(summary), "exit": proc.returncode, "checks": summary,
+            "cuda_checks": cuda_checks,
             "note": "" if cuda else "no CUDA device: the doctor's GPU checks only report that there is none"}
 
 

@@ -246,8 +246,8 @@ def _states(counts: ParamCounts, setup: Setup, world: int, ep_size: int, precisi
         # During step() (stage 3, DeepSpeed 0.19.8 _prepare_fp32_grad_for_sub_group): the gradient
         # partition is flattened (g bytes) and, for 16-bit gradients, copied to fp32 (m bytes) for the
         # optimizer; both are freed after the step. Measured on 2 CPU ranks in bf16: the first step
-        # grows the process by 16.3-16.5 B per element, the Adam states' 8 plus 8.3-8.5 transient,
-        # of which these 6 are accounted for (tests/test_planner.py, bf16 runs).
+        # grows the process by 16.3-23.4 B per element, the Adam states' 8 plus the transient, of
+        # which these 6 are accounted for; the rest is Adam scratch and allocator slack.
         transient = 0.0
         if stage == 3 and not setup.offload_optimizer:
             transient = shard * (g + m if g != m else g)
