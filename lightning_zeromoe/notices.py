@@ -23,8 +23,10 @@ import warnings
 
 #: Start of Lightning's litlogger tip (lightning/pytorch/trainer/connectors/logger_connector).
 LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
-#: Logger that Lightning's rank_zero_info writes through (lightning/fabric/utilities/rank_zero.py).
-RANK_ZERO_LOGGER = "lightning.fabric.utilities.rank_zero"
+#: Loggers Lightning's rank_zero_info writes through: lightning_utilities' module-level ``log``, which
+#: lightning.fabric and then lightning.pytorch each point at their own ``utilities.rank_zero`` logger.
+RANK_ZERO_LOGGERS = ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero",
+                     "lightning_utilities.core.rank_zero")
 
 
 class _DropMessage(logging.Filter):
@@ -42,9 +44,10 @@ def silence_known_notices() -> None:
                             category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"When saving the DeepSpeed Stage 3 checkpoint, each worker will save",
                             category=UserWarning)
-    logger = logging.getLogger(RANK_ZERO_LOGGER)
-    if not any(isinstance(f, _DropMessage) for f in logger.filters):
-        logger.addFilter(_DropMessage(LITLOGGER_TIP))
+    for name in RANK_ZERO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(LITLOGGER_TIP))
 
 
 __all__ = ["silence_known_notices"]
