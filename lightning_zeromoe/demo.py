@@ -20,6 +20,9 @@ import torch
 
 # torch.distributed's own deprecation notices fire on every collective DeepSpeed makes.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+from lightning_zeromoe.notices import silence_known_notices  # noqa: E402
+
+silence_known_notices()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_global_zero:
         print(report.report, flush=True)
     ckpt = args.out / "checkpoint"
-    trainer.save_checkpoint(ckpt)
+    trainer.save_checkpoint(ckpt, weights_only=False)
     if trainer.is_global_zero:
-        print(f"checkpoint saved to {ckpt} (DeepSpeed ZeRO-3 shards, one file per rank)", flush=True)
+        print(f"checkpoint saved to {ckpt} (DeepSpeed ZeRO-3 shards, one file per rank)\n"
+              f"export it as one model with its own parameter names: zeromoe-export {ckpt} {args.out / 'exported'}",
+              flush=True)
     return 0
 
 

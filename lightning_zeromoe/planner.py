@@ -183,10 +183,18 @@ class StateEstimate:
     host: float
     dense: float
     expert: float
+    #: Extra bytes that exist only while ``optimizer.step()`` runs (see :func:`_states`).
+    step_transient: float = 0.0
 
     @property
     def device_total(self) -> float:
+        """What the rank holds between steps (measured equal on CPU ranks, fp32 and bf16)."""
         return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def step_peak(self) -> float:
+        """The most the rank holds while ``step()`` runs: :attr:`device_total` plus the transient."""
+        return self.device_total + self.step_transient
 
 
 def _partition(sizes: Iterable[int], group: int, total: int, stage: int, exact: bool) -> float:
@@ -214,7 +222,7 @@ def _states(counts: ParamCounts, setup: Setup, world: int, ep_size: int, precisi
     local_total = sum(local_expert) if counts.exact else counts.expert_total / ep_size
     parts.append((local_total, _partition(local_expert, edp, int(local_total), stage, counts.exact)))
 
-    sums = {"params": 0.0, "grads": 0.0, "master": 0.0, "optimizer": 0.0, "host": 0.0}
+    sums = {"params": 0.0, "grads": 0.0, "master": 0.0, "optimizer": 0.0, "host": 0.0, "step_transient": 0.0}
     split = []
     for full, shard in parts:
         w = (full if stage < 3 else shard) * p
@@ -235,7 +243,16 @@ def _states(counts: ParamCounts, setup: Setup, world: int, ep_size: int, precisi
         if setup.offload_parameters:
             host += w
             w = 0.0
-        for key, value in zip(("params", "grads", "master", "optimizer", "host"), (w, gr, ms, op, host)):
+        # During step() (stage 3, DeepSpeed 0.19.8 _prepare_fp32_grad_for_sub_group): the gradient
+        # partition is flattened (g bytes) and, for 16-bit gradients, copied to fp32 (m bytes) for the
+        # optimizer; both are freed after the step. Measured on 2 CPU ranks in bf16: the first step
+        # grows the process by 16.3-23.4 B per element, the Adam states' 8 plus the transient, of
+        # which these 6 are accounted for; the rest is Adam scratch and allocator slack.
+        transient = 0.0
+        if stage == 3 and not setup.offload_optimizer:
+            transient = shard * (g + m if g != m else g)
+        for key, value in zip(("params", "grads", "master", "optimizer", "host", "step_transient"),
+                              (w, gr, ms, op, host, transient)):
             sums[key] += value
         split.append(w + gr + ms + op)
     return StateEstimate(setup=setup, dense=split[0], expert=split[1], **sums)

@@ -170,14 +170,16 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         self.resolved: ResolvedConfig | None = None
         self._resolved_for: Module | None = None
         self._once = WarningCache()
-        # ZeRO-3 pitfalls (lightning_zeromoe.pitfalls): see _pitfalls_before_engine / _after_engine.
         if grad_audit_steps < 0:
             raise ValueError(f"grad_audit_steps={grad_audit_steps} must be >= 0 (0 turns the gradient audit off).")
-        self.register_tied_parameters = register_tied_parameters
-        self.shared_parameters = {k: list(v) for k, v in (shared_parameters or {}).items()}
-        self.guard_device_moves = guard_device_moves
-        self.grad_audit_steps = int(grad_audit_steps)
-        self.pitfall_state: dict[str, Any] = {}
+        # ZeRO-3 pitfalls (lightning_zeromoe.pitfalls): one typed object, called at each hook.
+        from lightning_zeromoe.pitfalls import PitfallOptions, ZeroPitfalls
+
+        self.pitfalls = ZeroPitfalls(
+            PitfallOptions(register_tied_parameters=register_tied_parameters,
+                           shared_parameters={k: list(v) for k, v in (shared_parameters or {}).items()},
+                           guard_device_moves=guard_device_moves, grad_audit_steps=int(grad_audit_steps)),
+            info=rank_zero_info, warn=rank_zero_warn)
         # Lightning never builds its own config (config={} is not None); ours is built in setup().
         super().__init__(config={}, timeout=timeout, **self.keywords.passed)
 
@@ -223,6 +225,22 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         # configure_model() has run: the model exists, so discovery and validation can see it.
         self.prepare()
         super().setup(trainer)
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """``configure_model`` runs here: DeepSpeed's ``zero.Init`` (stage 3), and transformers told so.
+
+        Under ``zero.Init`` every module's parameters are partitioned as it is constructed. Inside,
+        :func:`lightning_zeromoe.hf_loading.transformers_zero3` makes ``from_pretrained`` build the
+        model partitioned (not on the meta device) and copy each rank's slice of the checkpoint
+        straight into its partition: no rank ever holds the whole model. AutoEP converts the MoE
+        blocks later, inside ``deepspeed.initialize``.
+        """
+        from lightning_zeromoe.hf_loading import transformers_zero3
+
+        with super().model_sharded_context(), transformers_zero3(self.config if self.zero_stage_3 else None):
+            yield
 
     @override
     def init_deepspeed(self) -> None:
@@ -346,16 +364,6 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         remove_module_hooks(model)  # the training engine's hooks, if fit ran before in this process
         self.model, _ = self._build_engine(model, config, optimizer=None, params=[], lr_scheduler=None)
 
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if not fitting and not self.load_full_weights:
-            self._load_checkpoint_for_evaluation(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only)
-
     def _load_checkpoint_for_evaluation(self, checkpoint_path: Any) -> None:
         """``validate/test/predict(ckpt_path=...)``: make the evaluation engine able to load the shards.
 
@@ -395,52 +403,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ ZeRO-3 pitfalls
 
     def _pitfalls_before_engine(self, model: Module) -> None:
-        """Before ``deepspeed.initialize``: move buffers to the root device, find tied parameters.
-
-        Buffers: under ``zero.Init`` the engine skips ``module.to(device)``, so a buffer created on
-        the CPU would stay there; buffers are not partitioned, so moving them is safe. Parameters
-        are left to DeepSpeed. Tied parameters are logged once (rank 0) and re-checked after setup.
-        """
-        from lightning_zeromoe.pitfalls import describe_sharing, find_tied_parameters, move_buffers_to_device
-
-        moved = move_buffers_to_device(model, self.root_device)
-        if moved:
-            rank_zero_info(f"ZeroMoEStrategy: moved {len(moved)} buffer(s) to {self.root_device} (zero.Init leaves "
-                           f"buffers where they were created): {', '.join(moved[:10])}{' ...' if len(moved) > 10 else ''}")
-        tied = find_tied_parameters(model)
-        self.pitfall_state.update(buffers_moved=moved, tied=tied)
-        for line in describe_sharing(tied):
-            rank_zero_info(f"ZeroMoEStrategy: {line}")
+        """Before ``deepspeed.initialize``: see :meth:`lightning_zeromoe.pitfalls.ZeroPitfalls.before_engine`."""
+        self.pitfalls.before_engine(model, self.root_device)
 
     def _pitfalls_after_engine(self, engine: "deepspeed.DeepSpeedEngine") -> None:
-        """After ``deepspeed.initialize`` (ZeRO-3 only): check ties, register declared shared
-        parameters, guard device/dtype moves, start the gradient audit.
-
-        Options (constructor): ``register_tied_parameters`` registers ``shared_parameters``
-        (``{module_path: [parameter_path, ...]}``, names as ``named_modules()`` of the
-        LightningModule print them) with ``deepspeed.zero.register_external_parameter``; tied
-        parameters that modules hold themselves need no registration. ``guard_device_moves``
-        installs :class:`~lightning_zeromoe.pitfalls.DeviceMoveGuard`. ``grad_audit_steps`` (0 = off)
-        runs :class:`~lightning_zeromoe.pitfalls.GradAudit` for that many optimizer steps; it is
-        driven from :meth:`optimizer_step` rather than a callback, so the user's callback list is
-        never touched and the hooks live and die with the engine.
-        """
-        from lightning_zeromoe.pitfalls import DeviceMoveGuard, GradAudit, broken_ties, register_shared_parameters
-
-        if not self.zero_stage_3:
-            return
-        module = engine.module
-        broken = broken_ties(module, self.pitfall_state.get("tied", []))
-        if broken:
-            raise RuntimeError("ZeroMoEStrategy: deepspeed.initialize broke tied parameters, so each side would train "
-                               f"separately: {'; '.join(broken)}")
-        declared = register_shared_parameters(module, self.shared_parameters) if self.register_tied_parameters else []
-        self.pitfall_state["declared"] = declared
-        if self.guard_device_moves:
-            self.pitfall_state["guard"] = DeviceMoveGuard(module, self.root_device).install()
-        if self.grad_audit_steps:
-            self.pitfall_state["audit"] = GradAudit(module, self.grad_audit_steps, device=self.root_device).install()
-        self.pitfall_state["steps"] = 0
+        """After ``deepspeed.initialize``: see :meth:`lightning_zeromoe.pitfalls.ZeroPitfalls.after_engine`."""
+        self.pitfalls.after_engine(engine, self.root_device, self.zero_stage_3)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -449,34 +417,14 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         return output
 
     def _pitfalls_after_step(self) -> None:
-        """After step 1: log the shared parameters DeepSpeed found at run time. After step K: the
-        gradient audit's warnings. Nothing is left installed after step K."""
-        from lightning_zeromoe.pitfalls import describe_sharing, find_external_uses
-
-        state = self.pitfall_state
-        if "steps" not in state or self.model is None:
-            return
-        state["steps"] += 1
-        if state["steps"] == 1:
-            uses = find_external_uses(self.model.module, state.get("declared", []))
-            state["external"] = uses
-            for line in describe_sharing([], uses):
-                rank_zero_info(f"ZeroMoEStrategy: {line}")
-        audit = state.get("audit")
-        if audit is not None and audit.report is None:
-            report = audit.step()
-            if report is not None:
-                for message in report.messages():
-                    rank_zero_warn(f"ZeroMoEStrategy: {message}")
+        """After each ``optimizer_step`` call (one per micro-batch under DeepSpeed): see
+        :meth:`lightning_zeromoe.pitfalls.ZeroPitfalls.after_step`, which counts optimizer steps."""
+        self.pitfalls.after_step(self.model)
 
     @override
     def teardown(self) -> None:
         # Lightning's teardown moves the module to the CPU: lift the guard first, drop audit hooks.
-        guard, audit = self.pitfall_state.pop("guard", None), self.pitfall_state.get("audit")
-        if guard is not None:
-            guard.remove()
-        if audit is not None:
-            audit.remove()
+        self.pitfalls.teardown()
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
@@ -505,17 +453,23 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------------------------------ resume (lightning_zeromoe.resume)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Resume a DeepSpeed checkpoint, on another world size / ``ep_size`` too.
+        """Resume (or evaluate) a DeepSpeed checkpoint, on another world size / ``ep_size`` too.
 
-        The same shape loads as Lightning does. Another shape goes through DeepSpeed's universal
-        checkpoint: rank 0 converts it once into ``<checkpoint>.universal`` (reused later), the
-        other ranks wait, and every rank re-partitions weights and optimizer state for itself.
+        ``validate/test/predict(ckpt_path=...)`` first gets an engine that can read ZeRO-3 shards
+        (:meth:`_load_checkpoint_for_evaluation`). The same shape loads as Lightning does. Another
+        shape goes through DeepSpeed's universal checkpoint: rank 0 converts it once into
+        ``<checkpoint>.universal`` (reused later), the other ranks wait, and every rank
+        re-partitions weights and optimizer state for itself.
         """
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
         from lightning.pytorch.strategies.deepspeed import _validate_checkpoint_directory
         from lightning.pytorch.trainer.states import TrainerFn
+
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._load_checkpoint_for_evaluation(checkpoint_path)
 
         from lightning_zeromoe import resume
 

@@ -49,4 +49,10 @@ def test_readme_demo_command_runs(tmp_path):
     assert re.search(r"throughput: [\d,]+ tokens/s", out), out[-2000:]
     assert re.search(r"model\.layers\.0\.mlp\s+e0:\s*\d+\.\d%", out)
     assert "rank 1:" in out and "checkpoint saved" in out
+    assert f"zeromoe-export {tmp_path / 'demo' / 'checkpoint'}" in out, "the demo should say how to export"
     assert (tmp_path / "demo" / "checkpoint" / "checkpoint").is_dir()
+    # A clean first run: none of the third-party notices lightning_zeromoe.notices names.
+    both = out + proc.stderr
+    for noise in ("Failed to initialize NumPy", "litlogger", "LeafSpec", "`weights_only` was not set",
+                  "deepspeed-zero-stage-3-single-file"):
+        assert noise not in both, f"demo output still shows {noise!r}"

@@ -15,6 +15,7 @@ from torch import nn
 
 from jobs_util import JOBS, read_ranks, run_job
 from lightning_zeromoe import pitfalls
+from lightning_zeromoe.pitfalls import device_guard
 from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
 
 COUNT_KEYS = ("collective", "sync_gather", "on_demand", "auto_register")
@@ -196,7 +197,7 @@ def test_guard_outside_zero_and_removal_restore_torch():
         assert net.lin.weight.dtype == torch.float16
     finally:
         guard.remove()
-    assert nn.Module.to is original_to and not pitfalls._GUARDED
+    assert nn.Module.to is original_to and not device_guard._GUARDED
 
 
 def test_requested_parses_every_move_method():
@@ -211,7 +212,7 @@ def test_requested_parses_every_move_method():
         (("type", ("torch.DoubleTensor",), {}), (torch.device("cpu"), torch.float64, False)),
     ]
     for (method, args, kwargs), want in cases:
-        assert pitfalls._requested(method, args, kwargs) == want, method
+        assert device_guard._requested(method, args, kwargs) == want, method
 
 
 # ------------------------------------------------------------------ 3. stale copies
@@ -300,8 +301,9 @@ def test_strategy_options_are_validated_and_stored():
     from lightning_zeromoe import ZeroMoEStrategy
 
     s = ZeroMoEStrategy(grad_audit_steps=5, guard_device_moves=False, shared_parameters={"model": ("model.x",)})
-    assert (s.grad_audit_steps, s.guard_device_moves, s.register_tied_parameters) == (5, False, True)
-    assert s.shared_parameters == {"model": ["model.x"]}
+    o = s.pitfalls.options
+    assert (o.grad_audit_steps, o.guard_device_moves, o.register_tied_parameters) == (5, False, True)
+    assert o.shared_parameters == {"model": ["model.x"]}
     with pytest.raises(ValueError, match="grad_audit_steps"):
         ZeroMoEStrategy(grad_audit_steps=-1)
 

@@ -94,20 +94,20 @@ def fit(module: L.LightningModule, steps: int, resume: Path | None = None, **str
         warnings.simplefilter("always")
         trainer.fit(module, ckpt_path=resume)
     counter.remove()
-    state = strategy.pitfall_state
-    audit = state.get("audit")
+    state = strategy.pitfalls.state
+    audit = state.audit
     record = {
         **probe.record,
         "warnings": [str(w.message) for w in caught if "ZeroMoEStrategy" in str(w.message)],
-        "tied": [list(t.paths) for t in state.get("tied", [])],
-        "external": [dataclasses.asdict(u) for u in state.get("external", [])],
-        "declared": state.get("declared", []),
+        "tied": [list(t.paths) for t in state.tied],
+        "external": [dataclasses.asdict(u) for u in state.external or []],
+        "declared": state.declared,
         "audit_done": audit is not None and audit.report is not None,
         "audit_hooks_left": bool(audit and audit.active),
         "stale": [s.name for s in (audit.report.stale if audit and audit.report else [])],
         "aliases": [dataclasses.asdict(a) for a in (audit.report.aliases if audit and audit.report else [])],
         "mover_errors": module.model.mover.errors,
-        "buffers_moved": state.get("buffers_moved"),
+        "buffers_moved": state.buffers_moved,
     }
     return record, trainer
 

@@ -9,6 +9,15 @@ exist; Adam creates them lazily at the first step). Raw DeepSpeed rather than Li
 Lightning launch would re-import Lightning in every rank, and 4 ranks share 2 cores.
 
     python tests/jobs/planner_states.py --out DIR --world 4 --configs 3:1,3:2,2:1,1:2
+    python tests/jobs/planner_states.py --out DIR --world 2 --configs 3:1,3:2 --precision bf16-true
+
+``--precision`` is Lightning's spelling of what the engine gets: ``32-true`` (fp32 model, no
+``bf16`` section), ``bf16-mixed`` (fp32 model handed to an engine with ``bf16.enabled``, which
+casts it) or ``bf16-true`` (the model built in bf16, as Lightning's ``bf16-true`` init context
+does, and ``bf16.enabled``). Each run also records the process's peak resident memory during
+``engine.step()`` over the memory just before it (``/proc/self/status`` VmHWM, reset through
+``/proc/self/clear_refs``): the transient cost of the optimizer step. ``--scale`` multiplies the
+model's hidden and expert sizes so that this transient stands out from the allocator's noise.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ MODEL = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_expe
              ffn_hidden_size=96, max_seq_len=16)
 
 
-def engine_config(stage: int, ep_size: int, model) -> dict:
+def engine_config(stage: int, ep_size: int, model, precision: str = "32-true") -> dict:
     from lightning_zeromoe.config import ZeroOptions, build_config
 
     # param_persistence_threshold=0: ZeRO-3 partitions every parameter (no small-tensor exception).
@@ -43,10 +52,24 @@ def engine_config(stage: int, ep_size: int, model) -> dict:
     config.update({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0,
                                                               "torch_adam": True}}})
+    if precision.startswith("bf16"):
+        config["bf16"] = {"enabled": True}
     return config
 
 
-def measure(stage: int, ep_size: int) -> dict:
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def model_dims(scale: int) -> dict:
+    return dict(MODEL, hidden_size=MODEL["hidden_size"] * scale, ffn_hidden_size=MODEL["ffn_hidden_size"] * scale)
+
+
+def measure(stage: int, ep_size: int, precision: str = "32-true", scale: int = 1) -> dict:
     import argparse as ap
 
     import deepspeed
@@ -57,10 +80,13 @@ def measure(stage: int, ep_size: int) -> dict:
     from lightning_zeromoe.telemetry import state_bytes
 
     torch.manual_seed(0)
-    model = TinyMoELM(TinyMoEConfig(**MODEL))
+    dims = model_dims(scale)
+    model = TinyMoELM(TinyMoEConfig(**dims))
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
     engine, *_ = deepspeed.initialize(args=ap.Namespace(device_rank=int(os.environ.get("LOCAL_RANK", 0))),
                                       model=model, model_parameters=[p for p in model.parameters()],
-                                      config=engine_config(stage, ep_size, model), dist_init_required=False)
+                                      config=engine_config(stage, ep_size, model, precision), dist_init_required=False)
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     ids = torch.randint(0, MODEL["vocab_size"], (2, 9), generator=gen)
     logits, router = engine(ids[:, :-1])
@@ -68,10 +94,19 @@ def measure(stage: int, ep_size: int) -> dict:
     loss = loss + 0.01 * load_balancing_loss(router, MODEL["top_k"], 2).mean()
     engine.backward(loss)
     after_backward = state_bytes(engine)
+    import gc
+
+    gc.collect()
+    before_step = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
     engine.step()
+    step_peak = (_status_kib("VmHWM") - before_step) * 1024
     after_step = state_bytes(engine)
-    result = {"stage": stage, "ep_size": ep_size, "after_backward": after_backward.__dict__,
-              "after_step": after_step.__dict__,
+    result = {"stage": stage, "ep_size": ep_size, "precision": precision, "scale": scale,
+              "after_backward": after_backward.__dict__, "after_step": after_step.__dict__,
+              "step_peak_bytes": step_peak,
+              "param_dtypes": sorted({str(p.dtype) for p in engine.module.parameters()}),
               "held": {n: getattr(p, "ds_tensor", p).numel() for n, p in engine.module.named_parameters()}}
     engine.destroy()
     return result
@@ -82,6 +117,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--configs", default="3:1", help="comma-separated stage:ep_size pairs")
+    parser.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true"))
+    parser.add_argument("--scale", type=int, default=1)
     args = parser.parse_args()
 
     if "LOCAL_RANK" not in os.environ:  # not under torchrun yet: become the launcher
@@ -98,7 +135,7 @@ def main() -> None:
     results = []
     for pair in args.configs.split(","):
         stage, ep = (int(x) for x in pair.split(":"))
-        results.append(measure(stage, ep))
+        results.append(measure(stage, ep, args.precision, args.scale))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": args.world, "runs": results}))
     torch.distributed.barrier()

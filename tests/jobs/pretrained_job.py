@@ -1,0 +1,134 @@
+"""Fine-tune a ``save_pretrained`` Mixtral loaded with ``from_pretrained`` inside ``configure_model``.
+
+A standalone 2-rank job (Lightning re-runs this file for rank 1); ``tests/test_pretrained.py``
+runs it and asserts on the per-rank JSON it writes. ZeRO-3, ``ep_size=2``, fp32, torch AdamW,
+``accumulate_grad_batches`` micro-batches per optimizer step, and a gradient audit of
+``--audit-steps`` optimizer steps.
+
+Recorded per rank, from the live objects:
+
+* ``load``: right after ``from_pretrained`` returned inside ``configure_model``: for every
+  parameter its full element count (``ds_numel``), the elements this rank stores (its ZeRO-3
+  partition, ``ds_tensor``) and the elements materialised in ``param.data`` (0 when partitioned);
+  and the largest tensor :func:`lightning_zeromoe.hf_loading.copy_into_partition` read for this rank.
+* ``steps``: per micro-batch, the sample indices this rank trained on and its loss.
+* ``audit``: how many optimizer steps the gradient audit counted, and at which micro-batch
+  (``batch_idx``) it produced its report.
+
+    python tests/jobs/pretrained_job.py --pretrained DIR --out OUT [--steps 3 --accumulate 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
+from lightning_zeromoe import hf_loading  # noqa: E402
+from lightning_zeromoe.models import SyntheticLMData  # noqa: E402
+
+SEQ_LEN, LR = 17, 3e-3
+
+
+class PretrainedModule(L.LightningModule):
+    def __init__(self, path: str, batch_size: int, num_samples: int, vocab: int) -> None:
+        super().__init__()
+        self.path, self.batch_size, self.num_samples, self.vocab = path, batch_size, num_samples, vocab
+        self.model: torch.nn.Module | None = None
+        self.load_report: dict[str, Any] = {}
+        self.records: list[dict[str, Any]] = []
+        self.audit_reported_at: int | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        largest = [0]
+        original = hf_loading.copy_into_partition
+
+        def watched(param: torch.Tensor, source: torch.Tensor, key: str = "") -> str | None:
+            part = getattr(param, "ds_tensor", None)
+            largest[0] = max(largest[0], int(part.numel()) if part is not None else int(source.numel()))
+            return original(param, source, key)
+
+        hf_loading.copy_into_partition = watched
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(self.path)
+        finally:
+            hf_loading.copy_into_partition = original
+        params = {n: {"ds_numel": int(getattr(p, "ds_numel", p.numel())),
+                      "partition": int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else None,
+                      "materialised": int(p.data.numel())} for n, p in self.model.named_parameters()}
+        self.load_report = {"params": params, "largest_slice_copied": largest[0],
+                            "zero3_partitioned": all(hasattr(p, "ds_id") for p in self.model.parameters())}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        out = self.model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+        self.records.append({"batch_idx": batch_idx, "indices": [int(i) for i in batch["index"]],
+                             "loss": float(out.loss.detach())})
+        return out.loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        audit = self.trainer.strategy.pitfalls.audit if hasattr(self.trainer.strategy, "pitfalls") else None
+        if audit is not None and audit.report is not None and self.audit_reported_at is None:
+            self.audit_reported_at = batch_idx
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        data = SyntheticLMData(num_samples=self.num_samples, seq_len=SEQ_LEN, vocab_size=self.vocab, seed=0)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=False, drop_last=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pretrained", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
+    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--audit-steps", type=int, default=2)
+    args = parser.parse_args()
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.pretrained).vocab_size
+    module = PretrainedModule(args.pretrained, args.batch_size, args.batch_size * 2 * args.steps * args.accumulate, vocab)
+    strategy = ZeroMoEStrategy(ep_size=2, param_persistence_threshold=0, grad_audit_steps=args.audit_steps)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, max_epochs=1,
+                        accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module)
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    layers = [m for m in module.model.modules() if isinstance(m, AutoEPMoELayer)]
+    audit = strategy.pitfalls.audit
+    report = {
+        "rank": trainer.global_rank, "global_step": int(trainer.global_step),
+        "load": module.load_report, "steps": module.records,
+        "autoep_layers": [[int(m.num_experts), int(m.num_local_experts), int(m.ep_size)] for m in layers],
+        "audit": {"optimizer_steps_counted": None if audit is None else audit.done,
+                  "reported_at_batch_idx": module.audit_reported_at,
+                  "report_steps": None if audit is None or audit.report is None else audit.report.steps},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
