@@ -123,9 +123,13 @@ class Discovery:
     #: Blocks that train under plain ZeRO-3 (registered as ZeRO-3 leaf modules), with the reason.
     fallback: list[FallbackBlock] = field(default_factory=list)
 
-    def summary(self) -> str:
+    def summary(self, ep_enabled: bool = True) -> str:
         """One line: which blocks get EP and which do not, and why."""
-        ep = f"{len(self.blocks)} block(s) with expert parallelism"
+        if not ep_enabled:
+            paths = [b.path for b in self.blocks] + [b.path for b in self.fallback]
+            return (f"{len(paths)} MoE block(s) train under ZeRO without expert parallelism (ep_size=1)"
+                    + (f": {_abbrev(paths)}" if paths else ""))
+        ep = f"{len(self.blocks)} MoE block(s) with expert parallelism"
         if self.blocks:
             ep += f" ({_abbrev([b.path for b in self.blocks])})"
         if not self.fallback:
@@ -134,7 +138,7 @@ class Discovery:
         for block in self.fallback:
             reasons.setdefault(block.reason, []).append(block.path)
         rest = "; ".join(f"{_abbrev(paths)}: {reason}" for reason, paths in reasons.items())
-        return f"{ep}; {len(self.fallback)} under ZeRO-3 without EP ({rest})"
+        return f"{ep}; {len(self.fallback)} without EP, as ZeRO-3 leaf modules ({rest})"
 
     def without(self, failed: dict[str, str]) -> "Discovery":
         """A copy with the ``failed`` blocks (path -> reason) moved to the fallback, pattern narrowed."""

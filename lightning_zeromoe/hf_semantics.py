@@ -97,11 +97,14 @@ class Routing:
         keys: dict[str, Any] = {
             "score_func": self.score_func, "route_norm": self.route_norm,
             "routed_scaling_factor": self.route_scale, "top_k": self.top_k, "score_apply": self.score_apply,
-            "num_expert_groups": self.num_expert_groups, "num_limited_groups": self.num_limited_groups,
             "has_shared_experts": self.shared_experts is not None,
-            "shared_experts_pattern": self.shared_experts or "",
-            "shared_experts_gate_pattern": self.shared_experts_gate or "",
         }
+        if self.num_expert_groups is not None:
+            keys.update(num_expert_groups=self.num_expert_groups, num_limited_groups=self.num_limited_groups)
+        if self.shared_experts is not None:
+            keys["shared_experts_pattern"] = self.shared_experts
+        if self.shared_experts_gate is not None:
+            keys["shared_experts_gate_pattern"] = self.shared_experts_gate
         if self.expert_activation is not None:
             keys["expert_activation"] = self.expert_activation
         return keys

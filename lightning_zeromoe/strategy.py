@@ -264,13 +264,43 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         import deepspeed
 
         self._pitfalls_before_engine(model)
+        ep_converts = self._prove_conversion()
         params = [p for p in model.parameters() if p.requires_grad]
         with lend_root_config(model, self.discovery.root_config if self.discovery else None):
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=argparse.Namespace(device_rank=self._device_rank()), config=self.config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
+        if ep_converts and self.discovery is not None:
+            from lightning_zeromoe.conversion_check import restore_router_logits
+
+            restore_router_logits(self.lightning_module, self.discovery)
         self._pitfalls_after_engine(engine)
         return engine, ds_optimizer
+
+    def _prove_conversion(self) -> bool:
+        """Before ``deepspeed.initialize``: probe each conversion, narrow the AutoEP section to the
+        blocks that compute what the original does, mark the rest as ZeRO-3 leaf modules, and say
+        so in one line. Returns whether AutoEP will convert anything (see ``conversion_check``)."""
+        from lightning_zeromoe.conversion_check import check_conversion, narrowed_config, register_fallback_leaves
+
+        found, module = self.discovery, self.lightning_module
+        if found is None or module is None:
+            return False
+        ep = self.options.ep_size > 1 and bool(found.blocks) and "expert_parallel" in self.config
+        if ep:
+            by_path = {b.path: b for b in found.blocks}
+            found, checks = check_conversion(module, found)
+            for check in checks:
+                if not check.passed:
+                    self._say(check.message(by_path.get(check.path)), warn=True)
+            self.discovery = found
+            self.config = narrowed_config(self.config, found)
+            ep = bool(found.blocks)
+        if self.options.stage == 3:
+            register_fallback_leaves(module, found, ep_converts=ep)
+        if found.blocks or found.fallback:
+            self._say(f"ZeroMoEStrategy: {found.summary(ep_enabled=self.options.ep_size > 1)}")
+        return ep
 
     # ------------------------------------------------------------------ ZeRO-3 pitfalls
 

@@ -27,7 +27,8 @@ _SMALL: dict[str, Any] = dict(
     shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
     tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], num_dense_layers=0,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, router_aux_loss_coef=0.02, output_router_logits=True,
-    use_cache=False)
+    use_cache=False, router_jitter_noise=0.0, input_jitter_noise=0.0, attention_dropout=0.0, hidden_dropout=0.0,
+    dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, moe_dropout=0.0)
 
 _MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
             num_key_value_heads=4, head_dim=None)
