@@ -21,6 +21,7 @@ DeepSpeed internals used here and only here: ``AutoEP.ep_parser``, ``AutoEPMoELa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -44,12 +45,16 @@ class BlockCheck:
     logits_error: float | None
     tolerance: float
     detail: str = ""
+    returns_tuple: bool = False
 
-    def message(self, block: MoEBlock | None) -> str:
-        mapping = block.routing.describe() if block is not None and block.routing is not None else "AutoEP preset"
+    def message(self, section: dict[str, Any]) -> str:
+        """The user-facing warning; ``section`` is the ``expert_parallel`` section that was probed."""
+        keys = ("preset_model", "score_func", "route_norm", "routed_scaling_factor", "top_k", "score_apply",
+                "num_expert_groups", "shared_experts_pattern", "shared_experts_gate_pattern", "expert_activation")
+        mapping = ", ".join(f"{k}={section[k]!r}" for k in keys if k in section) or "AutoEP defaults"
         return (f"[{ENTRY_ID}] {self.path}: the expert-parallel conversion does not compute what the original "
-                f"block does ({self.detail}; tolerance {self.tolerance:g}; mapping: {mapping}). This block trains "
-                "under ZeRO-3 without expert parallelism instead. If the mapping is wrong, set it with "
+                f"block does ({self.detail}; tolerance {self.tolerance:g}; AutoEP section: {mapping}). This block "
+                "trains under ZeRO-3 without expert parallelism instead. If the mapping is wrong, set it with "
                 "moe_pattern=MoEPattern(..., route_norm=..., score_func=...).")
 
 
@@ -164,22 +169,29 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, toke
             return BlockCheck(block_info.path, False, None, None, tol, f"AutoEP refused it: {exc}")
         hidden = hidden or spec.hidden_size
         gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(1, tokens, hidden, generator=gen).to(device=device, dtype=dtype)
+        x = torch.randn(2, tokens // 2, hidden, generator=gen).to(device=device, dtype=dtype)
         want_logits, handles = _record(block, recorders)
         try:
-            want = _first(block(x))
+            original = block(x)
+            want = _first(original)
         except Exception as exc:  # noqa: BLE001
             return BlockCheck(block_info.path, False, None, None, tol, f"the original block cannot be probed: {exc}")
         finally:
             for h in handles:
                 h.remove()
+        returns_tuple = isinstance(original, tuple)
+        match_output_contract(layer, returns_tuple)
         try:
-            got = _first(layer(x))
+            converted = layer(x)
+            got = _first(converted)
         except Exception as exc:  # noqa: BLE001
             return BlockCheck(block_info.path, False, None, None, tol, f"the AutoEP layer fails on it: {exc}")
         if not bool(want.abs().max() > 0):
             return BlockCheck(block_info.path, False, None, None, tol,
                               "the original block outputs zeros on the probe, so the probe proves nothing")
+        if isinstance(converted, tuple) != returns_tuple:
+            return BlockCheck(block_info.path, False, None, None, tol, "the AutoEP layer returns "
+                              f"{type(converted).__name__} where the original returns {type(original).__name__}")
         out_err = _rel(want, got)
         logits_err = None
         if want_logits:
@@ -189,7 +201,16 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, toke
         problems.append(f"output differs by {out_err:.3g} (relative max-abs)")
     if logits_err is not None and not logits_err <= tol:
         problems.append(f"recorded router logits differ by {logits_err:.3g}, so the aux loss would change")
-    return BlockCheck(block_info.path, not problems, out_err, logits_err, tol, "; ".join(problems))
+    return BlockCheck(block_info.path, not problems, out_err, logits_err, tol, "; ".join(problems), returns_tuple)
+
+
+def match_output_contract(layer: nn.Module, returns_tuple: bool) -> None:
+    """A block that returns ``(hidden, router_logits)`` (Llama-4) gets a layer that does the same,
+    with the raw logits of its router (AutoEP detects this contract only from HF recorders)."""
+    if returns_tuple and not getattr(layer, "return_router_logits", False):
+        layer.return_router_logits = True
+        layer.router_logits_capture_target = "router"
+        layer.router_logits_capture_mode = "raw"
 
 
 def _raw_router_logits(layer: nn.Module) -> None:
@@ -205,6 +226,9 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
     checks = [c if ok == c.passed else BlockCheck(c.path, False, c.output_error, c.logits_error, c.tolerance,
                                                     "it failed the probe on another rank") for c, ok in zip(checks, passed)]
     failed = {c.path: f"the conversion probe failed ({c.detail})" for c in checks if not c.passed}
+    tuples = {c.path for c in checks if c.passed and c.returns_tuple}
+    found = dataclasses.replace(found, blocks=[dataclasses.replace(b, returns_tuple=b.path in tuples)
+                                               for b in found.blocks])
     return found.without(failed), checks
 
 
@@ -222,7 +246,8 @@ def restore_router_logits(root: nn.Module, found: Discovery) -> int:
     """After ``deepspeed.initialize``: make every converted block hand HF's recorder raw router logits.
 
     AutoEP's Mixtral/Qwen3-MoE/MiniMax-M3 adapters retarget HF's recorder to the new router; the
-    Qwen3.5 adapter hands softmax probabilities (switched to raw logits here); DeepSeek-V2/V3 and
+    Qwen3.5 adapter hands softmax probabilities (switched to raw logits here); a block that returns
+    ``(hidden, router_logits)`` itself (Llama-4) gets a layer that does; DeepSeek-V2/V3 and
     custom sections retarget nothing, so a hook on the new router's projection is installed. The
     logits recorded are exactly what :func:`check_block` compared. Returns the hooks installed.
     """
@@ -238,7 +263,8 @@ def restore_router_logits(root: nn.Module, found: Discovery) -> int:
         if not hasattr(layer, "router"):
             continue
         _raw_router_logits(layer)
-        if preset in _RETARGETING_PRESETS or getattr(layer, "return_router_logits", False):
+        match_output_contract(layer, block.returns_tuple)
+        if preset in _RETARGETING_PRESETS or preset == "qwen3_5_moe":  # AutoEP's adapter feeds the recorder
             continue
         if getattr(layer.router.gate, "_zeromoe_logits_hook", False):
             continue

@@ -93,6 +93,8 @@ class MoEBlock:
     top_k: int | None
     layout: BlockLayout | None = field(default=None, compare=False)
     routing: Routing | None = field(default=None, compare=False)
+    #: The original block returns ``(hidden, router_logits)``; the converted layer must too (Llama-4).
+    returns_tuple: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,8 @@ def _from_hf_structure(root: nn.Module) -> Discovery | None:
     for layout in found:
         routing = routing_from_config(tconfig, shared_experts=layout.shared_experts,
                                       shared_experts_gate=layout.shared_experts_gate)
-        reason = layout.unsupported or (routing if isinstance(routing, str) else None)
+        # The family's own reason (e.g. LongCat's zero experts) says more than the structural one.
+        reason = (routing if isinstance(routing, str) else None) or layout.unsupported
         if reason is None and routing.num_expert_groups and routing.group_score_func != "top2_sum":
             reason = (f"its group-limited routing scores groups by '{routing.group_score_func}'; AutoEP's config "
                       "selects only top2_sum")

@@ -73,7 +73,10 @@ def _router_weight(block: nn.Module, num_experts: int | None) -> tuple[str, str,
             if not isinstance(weight, torch.Tensor):
                 continue
             shape = shape_of(weight)
-            if len(shape) == 2 and shape[0] > 1 and (num_experts is None or shape[0] == num_experts):
+            routerish = any(word in child_name for word in ("router", "gate"))
+            # LongCat's router also scores its zero-computation experts: more rows than experts.
+            fits = num_experts is None or shape[0] == num_experts or (routerish and shape[0] > num_experts)
+            if len(shape) == 2 and shape[0] > 1 and fits:
                 return child_name, f"{child_name}.{rel}", shape
     return None
 
@@ -139,9 +142,8 @@ def analyse_block(path: str, block: nn.Module, num_experts: int | None = None) -
                   shared_experts=shared, shared_experts_gate=shared_gate, extra_tensors=_routing_tensors(block),
                   block_class=type(block).__name__)
     if experts_name is None:
-        has_expert_child = any("expert" in n or n == "mlp" for n, _ in block.named_children() if n != router_name)
-        direct = router_weight == f"{router_name}.weight"
-        if num_experts is None or not has_expert_child or not direct:
+        has_expert_child = any("expert" in n for n, _ in block.named_children() if n != router_name)
+        if num_experts is None or not has_expert_child:
             return None  # a lone [E, H] projection is not evidence of an MoE block
         return BlockLayout(**common, experts="experts", w1="", w2="",
                            unsupported="its experts are not stored as 3-D [num_experts, ...] tensors")

@@ -288,11 +288,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             return False
         ep = self.options.ep_size > 1 and bool(found.blocks) and "expert_parallel" in self.config
         if ep:
-            by_path = {b.path: b for b in found.blocks}
+            section = dict(found.autoep)
             found, checks = check_conversion(module, found)
             for check in checks:
                 if not check.passed:
-                    self._say(check.message(by_path.get(check.path)), warn=True)
+                    self._say(check.message(section), warn=True)
             self.discovery = found
             self.config = narrowed_config(self.config, found)
             ep = bool(found.blocks)

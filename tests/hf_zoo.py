@@ -31,7 +31,7 @@ _SMALL: dict[str, Any] = dict(
     dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, moe_dropout=0.0)
 
 _MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            num_key_value_heads=4, head_dim=None)
+            num_key_value_heads=4, head_dim=8)
 
 #: Per-family changes on top of _SMALL (None removes a key).
 _EXTRA: dict[str, dict[str, Any]] = {
@@ -58,14 +58,13 @@ def tiny_config(model_type: str) -> Any:
     values = dict(_SMALL, **_EXTRA.get(model_type, {}))
     if model_type == "dbrx":
         return AutoConfig.for_model("dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
-                                    attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                                    attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                                     ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2),
                                     tie_word_embeddings=False, output_router_logits=True,
                                     router_aux_loss_coef=0.02, use_cache=False, pad_token_id=0)
-    for key, value in values.items():
-        if hasattr(config, key) and value is not None:
-            setattr(config, key, value)
-    return config
+    # Through the constructor, so derived fields (DeepSeek's qk_head_dim, ...) follow.
+    return AutoConfig.for_model(model_type, **{k: v for k, v in values.items()
+                                               if hasattr(config, k) and v is not None})
 
 
 def build(model_type: str, seed: int = 0) -> torch.nn.Module:

@@ -64,9 +64,9 @@ def test_probe_catches_route_norm_opposite_to_the_config(arch: str) -> None:
     wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": not found.autoep["route_norm"]})
     bad = check_block(root, wrong.blocks[0], wrong)
     assert not bad.passed and bad.output_error is not None and bad.output_error > 100 * bad.tolerance, bad
-    message = bad.message(wrong.blocks[0])
+    message = bad.message(wrong.autoep)
     assert message.startswith(f"[{ENTRY_ID}] net.model.layers.") and "output differs by" in message
-    assert "without expert parallelism" in message
+    assert "without expert parallelism" in message and f"route_norm={not found.autoep['route_norm']}" in message
     narrowed, checks = check_conversion(root, wrong)
     assert not narrowed.blocks and {b.path for b in narrowed.fallback} == {b.path for b in found.blocks}
     assert all("conversion probe failed" in b.reason for b in narrowed.fallback)
