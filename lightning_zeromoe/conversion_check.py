@@ -189,7 +189,9 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, toke
         if not bool(want.abs().max() > 0):
             return BlockCheck(block_info.path, False, None, None, tol,
                               "the original block outputs zeros on the probe, so the probe proves nothing")
-        if isinstance(converted, tuple) != returns_tuple:
+        # A tuple where the caller unpacks one is fatal (Llama-4); the reverse is Qwen3.5's preset
+        # contract, which its decoder layer unpacks.
+        if returns_tuple and not isinstance(converted, tuple):
             return BlockCheck(block_info.path, False, None, None, tol, "the AutoEP layer returns "
                               f"{type(converted).__name__} where the original returns {type(original).__name__}")
         out_err = _rel(want, got)
@@ -219,8 +221,37 @@ def _raw_router_logits(layer: nn.Module) -> None:
         layer.router_logits_capture_mode = "raw"
 
 
+def router_aliases(root: nn.Module, found: Discovery, install: bool) -> list[str]:
+    """Show AutoEP a nested router projection (HunYuan's ``gate.wg``, AFMoE's ``router.gate``) as a
+    direct child ``zeromoe_router`` of each block to convert, or take those aliases away again.
+
+    The alias is the same module (no copy): AutoEP copies its weight into the new router and the
+    block, alias included, leaves the model. Blocks that are not converted must not keep it (their
+    state dict would name the weight twice): call with ``install=False`` for them.
+    """
+    from lightning_zeromoe.moe_structure import ROUTER_ALIAS
+
+    done = []
+    for block in found.blocks if install else [*found.blocks, *found.fallback]:
+        layout = block.layout
+        if layout is None or layout.autoep_router != ROUTER_ALIAS:
+            continue
+        module = root.get_submodule(block.path)
+        if install:
+            module.add_module(ROUTER_ALIAS, module.get_submodule(layout.router_linear))
+        elif ROUTER_ALIAS in module._modules:
+            del module._modules[ROUTER_ALIAS]
+        done.append(block.path)
+    return done
+
+
 def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[Discovery, list[BlockCheck]]:
-    """Probe every block ``found`` wants converted; return the discovery without the failed ones."""
+    """Probe every block ``found`` wants converted; return the discovery without the failed ones.
+
+    Router aliases (:func:`router_aliases`) are installed for the blocks that pass and removed from
+    the others, so the model is ready for ``deepspeed.initialize`` with the returned discovery.
+    """
+    router_aliases(root, found, install=True)
     checks = [check_block(root, block, found, **probe) for block in found.blocks]
     passed = _agree_over_ranks([c.passed for c in checks])
     checks = [c if ok == c.passed else BlockCheck(c.path, False, c.output_error, c.logits_error, c.tolerance,
@@ -228,8 +259,9 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
     failed = {c.path: f"the conversion probe failed ({c.detail})" for c in checks if not c.passed}
     tuples = {c.path for c in checks if c.passed and c.returns_tuple}
     found = dataclasses.replace(found, blocks=[dataclasses.replace(b, returns_tuple=b.path in tuples)
-                                               for b in found.blocks])
-    return found.without(failed), checks
+                                               for b in found.blocks]).without(failed)
+    router_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
+    return found, checks
 
 
 def _agree_over_ranks(passed: list[bool]) -> list[bool]:
@@ -284,6 +316,11 @@ def register_fallback_leaves(root: nn.Module, found: Discovery, ep_converts: boo
     from deepspeed.utils import set_z3_leaf_module
 
     paths = [b.path for b in found.fallback] + ([] if ep_converts else [b.path for b in found.blocks])
+    # A mixture-of-attention block (JetMoE's self_attention.experts) has its experts' methods called
+    # from the attention module, outside the block's forward; as a leaf, ZeRO-3 leaves their
+    # gradients unhandled ("RuntimeError: unknown parameter type" at the first step, measured). Such
+    # blocks are used by every token, so they gather identically on every rank anyway.
+    paths = [p for p in paths if not any("attn" in part or "attention" in part for part in p.split("."))]
     for path in paths:
         set_z3_leaf_module(root.get_submodule(path), True)
     return paths

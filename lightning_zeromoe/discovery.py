@@ -140,7 +140,7 @@ class Discovery:
         for block in self.fallback:
             reasons.setdefault(block.reason, []).append(block.path)
         rest = "; ".join(f"{_abbrev(paths)}: {reason}" for reason, paths in reasons.items())
-        return f"{ep}; {len(self.fallback)} without EP, as ZeRO-3 leaf modules ({rest})"
+        return f"{ep}; {len(self.fallback)} without EP ({rest})"
 
     def without(self, failed: dict[str, str]) -> "Discovery":
         """A copy with the ``failed`` blocks (path -> reason) moved to the fallback, pattern narrowed."""
@@ -302,7 +302,7 @@ def _from_hf_structure(root: nn.Module) -> Discovery | None:
     if blocks:
         first, routing = blocks[0].layout, blocks[0].routing
         assert first is not None and routing is not None
-        autoep = {"moe_layer_pattern": exact_pattern(b.path for b in blocks), "router_pattern": first.router,
+        autoep = {"moe_layer_pattern": exact_pattern(b.path for b in blocks), "router_pattern": first.autoep_router,
                   "expert_pattern": first.experts, "expert_w1": first.w1, "expert_w2": first.w2,
                   "expert_w3": first.w3, "num_experts_attr": _num_experts_attr(tconfig, first.num_experts),
                   **routing.autoep_keys()}
@@ -311,7 +311,7 @@ def _from_hf_structure(root: nn.Module) -> Discovery | None:
 
 
 def _signature(layout: BlockLayout, routing: Routing) -> tuple[Any, ...]:
-    return (layout.router, layout.experts, layout.w1, layout.w2, layout.w3, layout.num_experts, routing)
+    return (layout.autoep_router, layout.experts, layout.w1, layout.w2, layout.w3, layout.num_experts, routing)
 
 
 def _num_experts_attr(config: Any, num_experts: int) -> str:

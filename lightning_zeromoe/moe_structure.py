@@ -21,6 +21,9 @@ SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 SHARED_GATE_NAMES = ("shared_expert_gate",)
 #: Tensors a block may carry for routing besides the router weight (kept, and named for export).
 ROUTING_TENSOR_NAMES = ("e_score_correction_bias", "expert_bias")
+#: Child name under which a nested router projection (``gate.wg``) is shown to AutoEP, which reads
+#: ``<router>.weight`` from a direct child (see :func:`lightning_zeromoe.conversion_check.router_aliases`).
+ROUTER_ALIAS = "zeromoe_router"
 _NUM_EXPERTS_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -52,6 +55,16 @@ class BlockLayout:
     #: Why AutoEP cannot take this block as it is (None: it can be tried).
     unsupported: str | None = None
     block_class: str = ""
+
+    @property
+    def router_linear(self) -> str:
+        """The module whose ``weight`` is the router projection, e.g. ``gate`` or ``gate.wg``."""
+        return self.router_weight.rsplit(".", 1)[0]
+
+    @property
+    def autoep_router(self) -> str:
+        """The router child name AutoEP is given: the router itself, or the alias of a nested projection."""
+        return self.router if self.router_linear == self.router else ROUTER_ALIAS
 
 
 def expected_num_experts(config: object) -> int | None:
@@ -161,9 +174,6 @@ def analyse_block(path: str, block: nn.Module, num_experts: int | None = None) -
         unsupported = f"expert shapes {params[w1]} / {params[w2]} are neither [E,2F,H]/[E,H,F] nor [E,H,2F]/[E,F,H]"
     elif biases:
         unsupported = f"its experts have biases ({', '.join(biases)}), which AutoEP's grouped experts do not carry"
-    elif "." in router_weight.removeprefix(router_name + "."):
-        unsupported = (f"its router weight sits at '{router_weight}'; AutoEP reads the weight of the router "
-                       "child itself")
     return BlockLayout(**common, experts=experts_name, w1=w1, w2=w2, w3=w3, layout=layout or "unknown",
                        unsupported=unsupported)
 

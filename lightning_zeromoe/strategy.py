@@ -296,10 +296,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self.discovery = found
             self.config = narrowed_config(self.config, found)
             ep = bool(found.blocks)
-        if self.options.stage == 3:
-            register_fallback_leaves(module, found, ep_converts=ep)
+        leaves = register_fallback_leaves(module, found, ep_converts=ep) if self.options.stage == 3 else []
         if found.blocks or found.fallback:
-            self._say(f"ZeroMoEStrategy: {found.summary(ep_enabled=self.options.ep_size > 1)}")
+            leaf_note = f"; {len(leaves)} registered as ZeRO-3 leaf modules" if leaves else ""
+            self._say(f"ZeroMoEStrategy: {found.summary(ep_enabled=self.options.ep_size > 1)}{leaf_note}")
         return ep
 
     # ------------------------------------------------------------------ ZeRO-3 pitfalls

@@ -102,7 +102,9 @@ def test_every_family_trains_at_parity(zoo: dict[str, Any]) -> None:
 def test_replaced_blocks_are_exactly_the_ep_blocks_and_the_rest_are_leaves(zoo: dict[str, Any]) -> None:
     for arch, result in zoo.items():
         assert result["converted"] == sorted(result["ep_blocks"]), arch
-        assert result["leaf_blocks"] == sorted(p for p, _ in result["fallback"]), arch
+        # every fallback block is a ZeRO-3 leaf, except mixture-of-attention experts (see
+        # conversion_check.register_fallback_leaves)
+        assert result["leaf_blocks"] == sorted(p for p, _ in result["fallback"] if "attention" not in p), arch
         assert result["ep_blocks"] or result["fallback"], f"{arch}: no MoE block found at all"
     with_ep = [arch for arch, r in zoo.items() if r["converted"]]
     assert len(with_ep) >= 20, f"only {len(with_ep)} families convert: {with_ep}"

@@ -112,7 +112,7 @@ def test_structure_finds_blocks_under_any_name_with_the_models_own_names() -> No
 
 
 @pytest.mark.parametrize("arch, reason", [
-    ("gpt_oss", "experts have biases"), ("phimoe", "SparseMixer"), ("hunyuan_v1_moe", "gate.wg.weight")])
+    ("gpt_oss", "experts have biases"), ("phimoe", "SparseMixer"), ("dbrx", "flattened 2-D")])
 def test_what_autoep_cannot_express_falls_back_with_a_reason(arch: str, reason: str) -> None:
     root = _Holder(build(arch))
     found = discover(root)
@@ -128,3 +128,21 @@ def test_tolerance_is_dtype_aware() -> None:
 
 def test_empty_discovery_summary() -> None:
     assert Discovery(source="none").summary(ep_enabled=False).startswith("0 MoE block(s)")
+
+
+def test_nested_router_is_shown_to_autoep_by_an_alias_that_leaves_with_a_failed_block() -> None:
+    """HunYuan's router projection is ``gate.wg``: AutoEP reads ``<router>.weight`` of a direct child,
+    so the block gets a ``zeromoe_router`` alias of the same module while it is to be converted; a
+    block that fails the probe loses the alias again (its state dict must not name the weight twice)."""
+    root = _Holder(build("hunyuan_v1_moe"))
+    found = discover(root)
+    assert found.autoep["router_pattern"] == "zeromoe_router"
+    assert found.blocks[0].layout.router_weight == "gate.wg.weight"  # the model's own name, for export
+    checked, checks = check_conversion(root, found)
+    assert all(c.passed for c in checks) and len(checked.blocks) == 2
+    block = root.get_submodule(found.blocks[0].path)
+    assert block.zeromoe_router is block.gate.wg
+    wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": False})
+    failed, _ = check_conversion(root, wrong)
+    assert not failed.blocks and "zeromoe_router" not in dict(block.named_children())
+    assert not any("zeromoe_router" in k for k in root.state_dict())
