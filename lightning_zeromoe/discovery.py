@@ -9,9 +9,14 @@ This module finds the blocks wherever they sit and returns an AutoEP section who
 rooted at the LightningModule, plus the config object the strategy lends to the root while
 ``deepspeed.initialize`` runs.
 
-Three sources, in order: an explicit :class:`MoEPattern`; a Hugging Face model whose
-``config.model_type`` has an AutoEP preset; a module that describes itself with an
-``autoep_pattern`` dict (our :class:`~lightning_zeromoe.models.TinyMoELM` does).
+Sources, in order: an explicit :class:`MoEPattern` (its unset routing fields read from the HF
+config of the model holding the blocks); a Hugging Face model whose ``config.model_type`` has an
+AutoEP preset and whose blocks sit where the preset expects; any Hugging Face model, by structure
+(:mod:`lightning_zeromoe.moe_structure`) with its routing read from its config
+(:mod:`lightning_zeromoe.hf_semantics`); a module that describes itself with an
+``autoep_pattern`` dict (our :class:`~lightning_zeromoe.models.TinyMoELM` does). Blocks AutoEP
+cannot express are returned as :class:`FallbackBlock` with the reason; the strategy proves the
+rest (:mod:`lightning_zeromoe.conversion_check`) before ``deepspeed.initialize``.
 """
 
 from __future__ import annotations

@@ -94,6 +94,8 @@ def test_every_family_trains_at_parity(zoo: dict[str, Any]) -> None:
                 assert gap <= REL_TOL, f"{where}: loss {got['loss']} vs plain {want['loss']}"
                 # the aux loss survives conversion: present exactly where HF computes it, and equal
                 assert (got["aux"] is None) == (want["aux"] is None), f"{where}: aux {got['aux']} vs {want['aux']}"
+                # HF's recorder returns as many router-logit tensors as without conversion
+                assert got["router_logits"] == want["router_logits"], f"{where}: router_logits {got} vs {want}"
                 if want["aux"] is not None:
                     assert _rel(got["aux"], want["aux"]) <= REL_TOL, f"{where}: aux {got['aux']} vs {want['aux']}"
     print(f"worst relative per-step loss gap over {len(zoo)} families: {worst:.2e}")

@@ -44,10 +44,13 @@ BATCH = 2
 LR = 1e-2
 
 
-def hf_loss(net: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+def hf_loss(net: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float | None, int]:
+    """HF's loss, its aux loss, and how many router-logit tensors HF's recorder returned."""
     out = net(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
     aux = getattr(out, "aux_loss", None)
-    return out.loss, (None if aux is None else float(aux.detach()))
+    logits = getattr(out, "router_logits", None)
+    count = len(logits) if isinstance(logits, (tuple, list)) else 0
+    return out.loss, (None if aux is None else float(aux.detach())), count
 
 
 def skew_routers(net: torch.nn.Module, rank: int) -> int:
@@ -79,8 +82,9 @@ class ZooModule(L.LightningModule):
         self.records: list[dict[str, Any]] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, aux = hf_loss(self.net, batch["input_ids"])
-        self.records.append({"indices": [int(i) for i in batch["index"]], "loss": float(loss.detach()), "aux": aux})
+        loss, aux, count = hf_loss(self.net, batch["input_ids"])
+        self.records.append({"indices": [int(i) for i in batch["index"]], "loss": float(loss.detach()), "aux": aux,
+                             "router_logits": count})
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -107,8 +111,8 @@ def reference(arch: str, per_rank_indices: list[list[list[int]]]) -> list[list[d
         losses = []
         for rank, indices in enumerate(per_rank_indices):
             ids = torch.stack([data[i]["input_ids"] for i in indices[step]])
-            loss, aux = hf_loss(net, ids)
-            out[rank].append({"loss": float(loss.detach()), "aux": aux})
+            loss, aux, count = hf_loss(net, ids)
+            out[rank].append({"loss": float(loss.detach()), "aux": aux, "router_logits": count})
             losses.append(loss)
         torch.stack(losses).mean().backward()
         opt.step()
