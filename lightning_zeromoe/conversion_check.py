@@ -298,10 +298,13 @@ def restore_router_logits(root: nn.Module, found: Discovery) -> int:
         match_output_contract(layer, block.returns_tuple)
         if preset in _RETARGETING_PRESETS or preset == "qwen3_5_moe":  # AutoEP's adapter feeds the recorder
             continue
-        if getattr(layer.router.gate, "_zeromoe_logits_hook", False):
+        # A layer that returns (hidden, logits) computes its logits with a second call of its router
+        # projection: record its output then, or each layer's logits would be recorded twice.
+        target, index = (layer, 1) if getattr(layer, "return_router_logits", False) else (layer.router.gate, 0)
+        if getattr(target, "_zeromoe_logits_hook", False):
             continue
-        install_output_capuring_hook(layer.router.gate, "router_logits", 0)
-        layer.router.gate._zeromoe_logits_hook = True
+        install_output_capuring_hook(target, "router_logits", index)
+        target._zeromoe_logits_hook = True
         installed += 1
     return installed
 

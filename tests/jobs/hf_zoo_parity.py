@@ -11,7 +11,8 @@ JSON and writes the coverage table.
 
 Usage::
 
-    torchrun --nproc_per_node 2 tests/jobs/hf_zoo_parity.py --out /tmp/zoo [--archs mixtral olmoe]
+    torchrun --nproc_per_node 2 tests/jobs/hf_zoo_parity.py --out /tmp/zoo [--archs mixtral olmoe:1]
+        [--uneven olmoe:1 gpt_oss:2]
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def hf_loss(net: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, floa
 
 
 def skew_routers(net: torch.nn.Module, rank: int) -> int:
-    """Uneven routing on purpose: every router of ``net`` sends all of rank 0's tokens to expert 0
-    (and its top-k partners 1, ...) and all of rank 1's tokens to the last experts, by adding a
-    large rank-dependent offset to the router logits (a forward hook on each router module).
-    Returns the number of routers hooked."""
+    """Uneven routing on purpose: every router of ``net`` sends all of rank 0's tokens to the first
+    half of the experts and all of rank 1's tokens to the second half, by adding a large
+    rank-dependent offset to the router logits (a forward hook on each router module that, for
+    routers returning ``(logits, weights, indices)``, also re-selects the top-k from the skewed
+    logits). Returns the number of routers hooked."""
     from lightning_zeromoe.moe_structure import find_blocks
 
     hooked = 0
@@ -67,9 +69,13 @@ def skew_routers(net: torch.nn.Module, rank: int) -> int:
         offset[: layout.num_experts // 2] = 50.0 if rank == 0 else -50.0
 
         def hook(_m: torch.nn.Module, _a: Any, out: Any, offset: torch.Tensor = offset) -> Any:
-            if isinstance(out, tuple):
-                return (out[0] + offset.to(out[0].dtype), *out[1:])
-            return out + offset.to(out.dtype)
+            if not isinstance(out, tuple):
+                return out + offset.to(out.dtype)
+            # (logits, top-k weights, top-k indices): route again from the skewed logits
+            logits = out[0] + offset.to(out[0].dtype)
+            top = torch.topk(torch.softmax(logits.float(), dim=-1), k=out[2].shape[-1], dim=-1)
+            weights = (top.values / top.values.sum(dim=-1, keepdim=True)).to(out[1].dtype)
+            return (logits, weights, top.indices)
         router.register_forward_hook(hook)
         hooked += 1
     return hooked
@@ -148,30 +154,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--archs", nargs="*", default=list(ARCHS))
     parser.add_argument("--ep-size", type=int, default=2, help="default ep_size; 'arch:N' in --archs overrides")
-    parser.add_argument("--uneven", action="store_true", help="skew the routers per rank (see skew_routers)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--uneven", nargs="*", default=[],
+                        help="after the parity runs, these 'arch:ep' with the routers skewed per rank (skew_routers)")
+    parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank = dist.get_rank()
     results: dict[str, Any] = {}
-    for spec in args.archs:
-        arch, _, ep = spec.partition(":")
+    for spec in [*args.archs, *(f"uneven:{u}" for u in args.uneven)]:
+        uneven = spec.startswith("uneven:")
+        arch, _, ep = spec.removeprefix("uneven:").partition(":")
+        key = f"uneven:{arch}" if uneven else arch
         try:
-            result = run_arch(arch, int(ep or args.ep_size), args.steps, args.uneven)
+            result = run_arch(arch, int(ep or args.ep_size), args.steps, uneven)
         except Exception as exc:  # noqa: BLE001 - one family failing must not hide the others
             result = {"arch": arch, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [r["indices"] for r in result.get("records", [])])
-        if rank == 0 and "error" not in result and all(gathered) and not args.uneven:
+        if rank == 0 and "error" not in result and all(gathered) and not uneven:
             result["per_rank_indices"] = gathered
             result["reference"] = reference(arch, gathered)
         gathered_results: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered_results, result.get("records"))
         result["per_rank_records"] = gathered_results
-        results[arch] = result
+        results[key] = result
         if rank == 0:
-            print(f"[zoo] {arch}: {result.get('summary') or result.get('error', '')[:200]} "
+            print(f"[zoo] {key}: {result.get('summary') or result.get('error', '')[:200]} "
                   f"({result.get('seconds', '?')}s)", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "zoo.json").write_text(json.dumps(results, indent=1))
