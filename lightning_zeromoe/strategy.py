@@ -394,11 +394,45 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """The one ``deepspeed.initialize`` call, for training and evaluation, on CPU and GPU."""
         import deepspeed
 
+        converts = False
+        if self.discovery is not None and not _autoep_converted(model):
+            config, converts = self._prove_conversion(config)
         with lend_root_config(model, self.discovery.root_config if self.discovery else None):
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
+        if converts and self.discovery is not None:
+            from lightning_zeromoe.conversion_check import restore_router_logits
+
+            restore_router_logits(self.lightning_module, self.discovery)
         return engine, ds_optimizer
+
+    def _prove_conversion(self, config: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Before AutoEP converts: probe each conversion, narrow the AutoEP section to the blocks
+        that compute what the original does, mark the rest as ZeRO-3 leaf modules, and say so in
+        one line. Returns the config to use and whether AutoEP will convert anything (see
+        :mod:`lightning_zeromoe.conversion_check`)."""
+        from lightning_zeromoe.conversion_check import check_conversion, narrowed_config, register_fallback_leaves
+
+        found, module = self.discovery, self.lightning_module
+        if found is None or module is None:
+            return config, False
+        ep_size = self.resolved.ep_size if self.resolved else self.options.ep_size
+        ep = ep_size > 1 and bool(found.blocks) and "expert_parallel" in config
+        if ep:
+            section = dict(found.autoep)
+            found, checks = check_conversion(module, found)
+            for check in checks:
+                if not check.passed:
+                    self._once.warn(check.message(section))
+            self.discovery = found
+            config = narrowed_config(config, found)
+            ep = bool(found.blocks)
+        leaves = register_fallback_leaves(module, found, ep_converts=ep) if self.zero_stage_3 else []
+        if found.blocks or found.fallback:
+            leaf_note = f"; {len(leaves)} registered as ZeRO-3 leaf modules" if leaves else ""
+            self._once.info(f"ZeroMoEStrategy: {found.summary(ep_enabled=ep_size > 1)}{leaf_note}")
+        return config, ep
 
     # ------------------------------------------------------------------ ZeRO-3 pitfalls
 

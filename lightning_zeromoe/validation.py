@@ -66,7 +66,7 @@ def _check_native_moe(layout: Layout, found: Discovery) -> None:
 
 
 def _check_blocks_found(layout: Layout, found: Discovery) -> None:
-    if layout.ep_size > 1 and not found.blocks:
+    if layout.ep_size > 1 and not found.blocks and not found.fallback:
         where = "\n  ".join(found.candidates) or "(no module name mentions moe/expert/router/gate)"
         raise ZeroMoEConfigError(
             f"[autoep-no-moe-layers] ep_size={layout.ep_size} but no MoE block was found for AutoEP to convert "

@@ -29,7 +29,10 @@ loss is right. Qwen3.5-MoE gets softmax *probabilities* (AutoEP's Qwen3.5 adapte
 "post_score"), and HF's load_balancing_loss_func softmaxes them again: the aux loss is wrong and
 nearly flat (``router_logits_kind: softmax``). DeepSeek-V2/V3 return router logits without
 AutoEP and none with it (their adapter does not retarget HF's recorder); HF computes no aux
-loss for them either way. The test runs the first two families only.
+loss for them either way. That was DeepSpeed alone: the strategy's bridge
+(``lightning_zeromoe.conversion_check.restore_router_logits``) now hands Qwen3.5-MoE raw logits and
+records DeepSeek-V2/V3's again (checked for every family by ``tests/test_hf_coverage.py``). The
+test runs the first two families only.
 
 Output: ``<out>/rank<R>.json`` per rank.
 """

@@ -1,0 +1,106 @@
+"""Tiny configs for the Hugging Face MoE causal-LM families in transformers 5.22 (no downloads).
+
+Every model: hidden 64, 2 decoder layers that are MoE (3 with a dense first layer where the
+family has one), 4 experts, top-2, vocab 128. ``build(model_type)`` returns the causal LM in
+float32, seeded. ``moe_model_types()`` enumerates the MoE causal-LM types transformers itself
+registers (its auto-mapping, and the expert-count attributes of each config), so a family added
+by a newer transformers shows up as untested instead of silently missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 128
+
+#: The 27 families of issue 9 (measured on transformers 5.22).
+ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoeshared deepseek_v2 deepseek_v3 glm4_moe "
+         "glm4_moe_lite dots1 ernie4_5_moe hunyuan_v1_moe phimoe jetmoe dbrx llama4_text flex_olmo lfm2_moe "
+         "exaone_moe afmoe cohere2_moe minimax qwen3_next qwen3_5_moe_text longcat_flash").split()
+
+_SMALL: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4,
+    num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, moe_k=2, moe_topk=2,
+    shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+    tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], num_dense_layers=0,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, router_aux_loss_coef=0.02, output_router_logits=True,
+    use_cache=False, router_jitter_noise=0.0, input_jitter_noise=0.0, attention_dropout=0.0, hidden_dropout=0.0,
+    dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, moe_dropout=0.0)
+
+_MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            num_key_value_heads=4, head_dim=8)
+
+#: Per-family changes on top of _SMALL (None removes a key).
+_EXTRA: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(_MLA, num_hidden_layers=3, first_k_dense_replace=1),
+    "deepseek_v3": dict(_MLA, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1),
+    "glm4_moe_lite": dict(_MLA, q_lora_rank=16, first_k_dense_replace=0),
+    "longcat_flash": dict(_MLA, q_lora_rank=16, num_layers=1, zero_expert_num=2, ffn_hidden_size=64,
+                          expert_ffn_hidden_size=32),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=0),
+    "llama4_text": dict(num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
+                        intermediate_size_mlp=96),
+    "gpt_oss": dict(layer_types=["full_attention", "full_attention"]),
+}
+
+
+def tiny_config(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    values = dict(_SMALL, **_EXTRA.get(model_type, {}))
+    if model_type == "dbrx":
+        return AutoConfig.for_model("dbrx", d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=VOCAB,
+                                    attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                    ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2),
+                                    tie_word_embeddings=False, output_router_logits=True,
+                                    router_aux_loss_coef=0.02, use_cache=False, pad_token_id=0)
+    # Through the constructor, so derived fields (DeepSeek's qk_head_dim, ...) follow.
+    return AutoConfig.for_model(model_type, **{k: v for k, v in values.items()
+                                               if hasattr(config, k) and v is not None})
+
+
+def build(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """The family's causal LM from a tiny config, float32, eager attention, seeded."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(model_type)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.float()
+
+
+def moe_model_types() -> list[str]:
+    """MoE causal-LM model types that the installed transformers registers.
+
+    A type counts when it has a causal-LM class in transformers' auto mapping and its default
+    config states an expert count (``num_experts``/``num_local_experts``/``n_routed_experts``/
+    ``moe_num_experts`` above 1, or DBRX's ``ffn_config.moe_num_experts``).
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from lightning_zeromoe.moe_structure import expected_num_experts
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        name = CONFIG_MAPPING_NAMES.get(model_type)
+        cls = getattr(transformers, name, None) if name else None
+        if cls is None:
+            continue
+        try:
+            config = cls()
+        except Exception:  # noqa: BLE001 - a config that needs arguments: judge by its class attributes
+            config = cls
+        if expected_num_experts(config):
+            found.append(model_type)
+    return sorted(found)

@@ -1,0 +1,148 @@
+"""Routing semantics from the HF config, structural discovery, and the setup-time conversion probe.
+
+All in-process and single-rank: the probe builds AutoEP's real ``AutoEPMoELayer`` with
+``ep_size=1`` (no communication) from the very section the strategy hands DeepSpeed, and runs it
+against the original Hugging Face block. The negative controls flip one routing field against
+the model's config and must be caught; the positive ones must pass with a small measured error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from hf_zoo import build
+from lightning_zeromoe.conversion_check import (
+    ENTRY_ID, check_block, check_conversion, narrowed_config, register_fallback_leaves, tolerance_for)
+from lightning_zeromoe.discovery import Discovery, MoEPattern, discover, exact_pattern
+from lightning_zeromoe.hf_semantics import routing_from_config
+from lightning_zeromoe.moe_structure import find_blocks
+
+
+class _Holder(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+
+def test_olmoe_routing_comes_from_its_config_not_autoep_defaults() -> None:
+    """OLMoE has norm_topk_prob=False; AutoEP's custom default is route_norm=True."""
+    model = build("olmoe")
+    assert model.config.norm_topk_prob is False
+    routing = routing_from_config(model.config)
+    assert not isinstance(routing, str)
+    assert (routing.score_func, routing.route_norm, routing.route_scale, routing.top_k) == ("softmax", False, 1.0, 2)
+    assert ("route_norm", "False (config.norm_topk_prob)") in routing.origin
+    flipped = dataclasses.replace(model.config)
+    flipped.norm_topk_prob = True
+    assert routing_from_config(flipped).route_norm is True  # type: ignore[union-attr]
+
+
+def test_custom_pattern_on_olmoe_gets_the_config_semantics_and_the_lent_config() -> None:
+    """The trap of issue 9: a MoEPattern on an HF model used to get route_norm=True silently."""
+    root = _Holder(build("olmoe"))
+    found = discover(root, MoEPattern(block=r"net\.model\.layers\.\d+\.mlp", top_k=2))
+    assert found.autoep["route_norm"] is False and found.autoep["score_func"] == "softmax"
+    assert found.root_config is root.net.config
+    checked, checks = check_conversion(root, found)
+    assert [c.passed for c in checks] == [True, True], [c.detail for c in checks]
+    assert len(checked.blocks) == 2 and not checked.fallback
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "glm4_moe"])
+def test_probe_catches_route_norm_opposite_to_the_config(arch: str) -> None:
+    """Force route_norm against the model's config: the probe refuses the block and says why."""
+    root = _Holder(build(arch))
+    found = discover(root)
+    assert found.blocks and "route_norm" in found.autoep
+    good = check_block(root, found.blocks[0], found)
+    assert good.passed and good.output_error is not None and good.output_error < good.tolerance, good
+    wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": not found.autoep["route_norm"]})
+    bad = check_block(root, wrong.blocks[0], wrong)
+    assert not bad.passed and bad.output_error is not None and bad.output_error > 100 * bad.tolerance, bad
+    message = bad.message(wrong.autoep)
+    assert message.startswith(f"[{ENTRY_ID}] net.model.layers.") and "output differs by" in message
+    assert "without expert parallelism" in message and f"route_norm={not found.autoep['route_norm']}" in message
+    narrowed, checks = check_conversion(root, wrong)
+    assert not narrowed.blocks and {b.path for b in narrowed.fallback} == {b.path for b in found.blocks}
+    assert all("conversion probe failed" in b.reason for b in narrowed.fallback)
+    assert narrowed_config({"expert_parallel": {"enabled": True, **wrong.autoep}}, narrowed) == {}
+
+
+def test_probe_catches_llama4_score_apply() -> None:
+    """Llama-4 weights the expert *input*; applying the weight after the experts is caught."""
+    root = _Holder(build("llama4_text"))
+    found = discover(root)
+    assert found.autoep["score_apply"] == "pre" and check_block(root, found.blocks[0], found).passed
+    wrong = dataclasses.replace(found, autoep={**found.autoep, "score_apply": "post"})
+    assert not check_block(root, wrong.blocks[0], wrong).passed
+
+
+def test_one_failing_block_narrows_the_pattern_to_the_others() -> None:
+    root = _Holder(build("olmoe"))
+    found = discover(root)
+    first, second = (b.path for b in found.blocks)
+    narrowed = found.without({first: "probe failed"})
+    assert [b.path for b in narrowed.blocks] == [second]
+    assert re.fullmatch(narrowed.autoep["moe_layer_pattern"], second)
+    assert not re.fullmatch(narrowed.autoep["moe_layer_pattern"], first)
+    assert narrowed.autoep["moe_layer_pattern"] == exact_pattern([second])
+    cfg = narrowed_config({"expert_parallel": {"enabled": True, "moe_layer_pattern": "x"}}, narrowed)
+    assert cfg["expert_parallel"]["moe_layer_pattern"] == exact_pattern([second])
+    assert "1 without EP" in narrowed.summary() and first in narrowed.summary()
+
+
+def test_structure_finds_blocks_under_any_name_with_the_models_own_names() -> None:
+    """Blocks at block_sparse_moe (Granite) and feed_forward (Llama-4), router named router, and
+    Llama-4's hidden-first fused layout; DeepSeek-V3's score-correction bias is named for export."""
+    granite = find_blocks(build("granitemoe"), 4)
+    assert [b.path for b in granite] == [f"model.layers.{i}.block_sparse_moe" for i in (0, 1)]
+    assert (granite[0].router, granite[0].router_weight, granite[0].w1, granite[0].w2, granite[0].layout) == \
+        ("router", "router.weight", "gate_up_proj", "down_proj", "gate_up_first")
+    llama = find_blocks(build("llama4_text"), 4)
+    assert llama[0].path == "model.layers.0.feed_forward" and llama[0].layout == "hidden_first"
+    assert llama[0].shared_experts == "shared_expert"
+    ds3 = find_blocks(build("deepseek_v3"), 4)
+    assert [b.path for b in ds3] == ["model.layers.1.mlp", "model.layers.2.mlp"]  # layer 0 is dense
+    assert ds3[0].extra_tensors == ("gate.e_score_correction_bias",) and ds3[0].shared_experts == "shared_experts"
+
+
+@pytest.mark.parametrize("arch, reason", [
+    ("gpt_oss", "experts have biases"), ("phimoe", "SparseMixer"), ("dbrx", "flattened 2-D")])
+def test_what_autoep_cannot_express_falls_back_with_a_reason(arch: str, reason: str) -> None:
+    root = _Holder(build(arch))
+    found = discover(root)
+    assert not found.blocks and found.fallback and all(reason in b.reason for b in found.fallback)
+    leaves = register_fallback_leaves(root, found, ep_converts=True)
+    assert leaves == [b.path for b in found.fallback]
+    assert all(getattr(root.get_submodule(p), "_z3_leaf", False) for p in leaves)
+
+
+def test_tolerance_is_dtype_aware() -> None:
+    assert tolerance_for(torch.float32) < tolerance_for(torch.float16) < tolerance_for(torch.bfloat16)
+
+
+def test_empty_discovery_summary() -> None:
+    assert Discovery(source="none").summary(ep_enabled=False).startswith("0 MoE block(s)")
+
+
+def test_nested_router_is_shown_to_autoep_by_an_alias_that_leaves_with_a_failed_block() -> None:
+    """HunYuan's router projection is ``gate.wg``: AutoEP reads ``<router>.weight`` of a direct child,
+    so the block gets a ``zeromoe_router`` alias of the same module while it is to be converted; a
+    block that fails the probe loses the alias again (its state dict must not name the weight twice)."""
+    root = _Holder(build("hunyuan_v1_moe"))
+    found = discover(root)
+    assert found.autoep["router_pattern"] == "zeromoe_router"
+    assert found.blocks[0].layout.router_weight == "gate.wg.weight"  # the model's own name, for export
+    checked, checks = check_conversion(root, found)
+    assert all(c.passed for c in checks) and len(checked.blocks) == 2
+    block = root.get_submodule(found.blocks[0].path)
+    assert block.zeromoe_router is block.gate.wg
+    wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": False})
+    failed, _ = check_conversion(root, wrong)
+    assert not failed.blocks and "zeromoe_router" not in dict(block.named_children())
+    assert not any("zeromoe_router" in k for k in root.state_dict())
