@@ -378,7 +378,7 @@ def test_lora_run_exports_merged_model_and_peft_adapter(variants, tmp_path):
 def test_streaming_export_memory_stays_near_one_shard(variants, tmp_path):
     """Export a model whose weights are many times the shard size. Peak RSS (Linux VmHWM, reset
     after the imports and a warm-up of the shard planner, whose first call imports ~40 MB of
-    modules) grows by at most 3 x max(max_shard_size, largest tensor) + 8 MiB: the shard being
+    modules) grows by at most 3 x max(max_shard_size, largest tensor) + 12 MiB: the shard being
     written, safetensors' serialisation copy of it, and the fp32 source pages read for it.
     Holding the whole model, as the previous exporter did, exceeds it."""
     ckpt = variants["runs"]["wide"]["ckpt_path"]
@@ -403,7 +403,7 @@ print(json.dumps({{"base": base, "peak": status("VmHWM"), "model": sum(sizes), "
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
-    bound = 3 * max(shard, m["largest"]) + 8 * 2**20
+    bound = 3 * max(shard, m["largest"]) + 12 * 2**20
     grew = m["peak"] - m["base"]
     print(f"wide: model {m['model'] / 2**20:.1f} MiB fp32, largest tensor {m['largest'] / 2**20:.1f} MiB, "
           f"peak RSS grew {grew / 2**20:.1f} MiB (bound {bound / 2**20:.1f} MiB)")
