@@ -12,11 +12,9 @@ import sys
 
 from jobs_util import REPO, run
 
-#: The example's last step run here. "reload" is the whole example (validate after fit, export to
-#: an HF directory, from_pretrained of the export). Until the `strategy` branch (trainer.validate
-#: after fit under EP on CPU) and the `export` branch (zeromoe-export writing an HF directory) are
-#: merged, only "train" works on this branch; the integrator sets "reload".
-THROUGH = "train"
+#: The example's last step run here: "reload" is the whole example (train, validate after fit,
+#: export to an HF directory, from_pretrained of the export).
+THROUGH = "reload"
 
 
 def test_finetune_pretrained_example(tmp_path):
