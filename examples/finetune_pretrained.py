@@ -178,19 +178,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train] {args.steps} steps, loss {module.train_losses[0]:.4f} -> {module.train_losses[-1]:.4f}; "
               f"step-1 loss equals the pretrained model's ({pretrained_loss:.6f}); val_loss {fit_val:.4f}", flush=True)
 
-    # 3. validate (needs trainer.validate after fit under EP: the `strategy` branch) --------------
+    # The checkpoint of the trained model: saved before validate, whose engine holds no optimizer.
+    ckpt, out_dir = workdir / "checkpoint", workdir / "exported"
+    if stop >= STEPS.index("export"):
+        trainer.save_checkpoint(ckpt, weights_only=False)
+
+    # 3. validate ---------------------------------------------------------------------------------
     if stop >= STEPS.index("validate"):
         metrics = trainer.validate(module, verbose=False)[0]
         result["val_loss"] = float(metrics["val_loss"])
         if trainer.is_global_zero:
             print(f"[validate] val_loss {result['val_loss']:.6f} (end of fit: {fit_val:.6f})", flush=True)
 
-    # 4. export (needs the HF-directory export: the `export` branch) -----------------------------
+    # 4. export to a Hugging Face directory -------------------------------------------------------
     if stop >= STEPS.index("export"):
         from lightning_zeromoe.checkpoint import export
 
-        ckpt, out_dir = workdir / "checkpoint", workdir / "exported"
-        trainer.save_checkpoint(ckpt, weights_only=False)
         if trainer.is_global_zero:
             export(ckpt, out_dir, overwrite=True, progress=False)
             print(f"[export] {ckpt} -> {out_dir} (same as: zeromoe-export {ckpt} {out_dir})", flush=True)

@@ -466,6 +466,15 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         """DeepSpeed's sharded checkpoint, plus ``zeromoe_meta.json`` for ``lightning_zeromoe.export``."""
+        engine = self.model
+        if engine is not None and hasattr(engine, "checkpoint_engine") and engine.checkpoint_engine is None:
+            # validate/test/predict built an engine without an optimizer: DeepSpeed gives it no
+            # checkpoint engine, and its save would fail deep inside with an AttributeError.
+            raise RuntimeError(
+                f"[save-after-evaluation] trainer.save_checkpoint({str(filepath)!r}) after validate/test/predict: "
+                "the engine those built holds no optimizer state, so DeepSpeed cannot write a checkpoint from it. "
+                "Save the checkpoint before evaluating (right after fit, or with a ModelCheckpoint callback), "
+                "or run fit again to resume.")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if self.is_global_zero:
             self._write_export_meta(filepath)
