@@ -4,7 +4,7 @@ Imported by ``strategy_paths.py`` for the 2-rank runs; run as a script it is the
 single-process reference: the same model with ``ep_size=1`` (all experts local) in a 1-rank gloo
 group, no engine, no Lightning, trained on the batches the ranks recorded::
 
-    python tests/jobs/native_moe.py --reference DIR/native_s2 --steps 6
+    python tests/jobs/native_moe.py --reference DIR/native_s1 DIR/native_s2 --steps 6
 
 Gating is top-1 with ``drop_tokens=False`` and ``use_rts=False``: no token is dropped and nothing
 is random, so a rank's forward pass equals the reference's on that rank's half of the batch. The
@@ -89,7 +89,8 @@ def reference(run_dir: Path, steps: int, lr: float) -> list[float]:
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                       DS_ACCELERATOR="cpu")
-    deepspeed.init_distributed("gloo")  # the MoE layer's groups live in deepspeed.comm
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed("gloo")  # the MoE layer's groups live in deepspeed.comm
     L.seed_everything(0, verbose=False)
     model = NativeMoELM(ep_size=1)
     model.moe.set_deepspeed_parallelism()
@@ -108,8 +109,8 @@ def reference(run_dir: Path, steps: int, lr: float) -> list[float]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--reference", type=Path, required=True)
+    parser.add_argument("--reference", type=Path, required=True, nargs="+", help="run directories")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
-    print(json.dumps(reference(args.reference, args.steps, args.lr)))
+    print(json.dumps({str(d): reference(d, args.steps, args.lr) for d in args.reference}))
