@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from troubleshooter import knowledge
 from jobs_util import JOBS, job_env, read_ranks, run, run_job
 from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
@@ -151,6 +152,9 @@ def test_validate_after_fit_and_from_checkpoint_equal_a_plain_eval(paths):
             assert [v["indices"] for v in r[other]] == [v["indices"] for v in r["val_after_fit"]], other
             assert max_rel([v["loss"] for v in r[other]], plain) < RTOL * 5, other
         assert max_rel([v["loss"] for v in r["val_from_ckpt"]], plain) < RTOL * 5
+        # Saving from the evaluation engine is refused with the entry id, not an AttributeError.
+        assert r["save_after_eval"].startswith("[save-after-evaluation] "), r["save_after_eval"]
+        assert knowledge.match(r["save_after_eval"])[0].entry.id == "save-after-evaluation"
 
 
 _NATIVE_REFERENCES: dict[str, list[float]] = {}

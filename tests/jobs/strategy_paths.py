@@ -155,6 +155,11 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
         trainer.test(module, dataloaders=module.val_dataloader(), verbose=False)
         result["test_after_fit"] = list(module.val_losses)
         result["predict_after_fit"] = trainer.predict(module, dataloaders=module.val_dataloader())
+        try:  # the evaluation engine holds no optimizer: a clear error, not DeepSpeed's AttributeError
+            trainer.save_checkpoint(args.out / name / "after_eval")
+            result["save_after_eval"] = "saved"
+        except RuntimeError as err:
+            result["save_after_eval"] = str(err)
         L.seed_everything(1, verbose=False)  # other initial weights: only the checkpoint can make them equal
         fresh = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
         fresh_trainer = trainer_for(args, ZeroMoEStrategy(ep_size=2, param_persistence_threshold=0), steps,
