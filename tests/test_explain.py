@@ -27,6 +27,13 @@ import deepspeed_job  # noqa: E402  (tests/ is on sys.path: one deepspeed job pe
 
 #: fixture file -> the entry that must be the top diagnosis.
 EXPECTED = {
+    # our own errors, and a resume report (lightning #19585), from the branches that added them
+    "issue_zero_dp_world_size_resume.txt": "resume-shape-unsupported",
+    "moe_conversion_mismatch_olmoe.txt": "moe-conversion-mismatch",
+    "real_resume_shape_unsupported.txt": "resume-shape-unsupported",
+    "real_save_after_evaluation.txt": "save-after-evaluation",
+    "real_strategy_refusals.txt": "offload-needs-ds-cpu-optimizer",
+    "zeromoe_export_errors.txt": "export-untrusted-object",
     "real_native_moe_zero3.txt": "native-moe-zero3",
     "real_moe_param_groups.txt": "moe-param-groups",
     "real_zero3_shape0_embedding.txt": "zero3-param-not-available",
