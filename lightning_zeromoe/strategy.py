@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -40,6 +39,8 @@ from typing_extensions import override
 from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keywords
+from lightning_zeromoe.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
+                                         use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
                                        inference_config, resolve, zero_init_config)
 from lightning_zeromoe.validation import ZeroMoEConfigError, check_ep_divides_world
@@ -201,7 +202,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         if self._on_cpu:
-            _use_deepspeed_cpu_accelerator()
+            use_deepspeed_cpu_accelerator()
         # configure_model() runs next, under zero.Init for stage 3: it needs the ZeRO section now.
         # The full config (discovery, validation, stage="auto") waits for the model, in setup().
         if self.resolved is None:
@@ -593,55 +594,6 @@ def lend_root_config(model: Module, config: Any) -> Iterator[None]:
             model.__dict__["config"] = previous
 
 
-def apply_timeout_to_all_groups(timeout: timedelta | None) -> int:
-    """Give every process group this rank belongs to the strategy's collective timeout.
-
-    DeepSpeed creates the expert-parallel and expert-data-parallel groups with
-    ``torch.distributed.new_group(ranks)`` and no timeout, so they get the backend default
-    (torch 2.13: 30 min for gloo, 10 min for NCCL), not the world group's. A rank stuck in an
-    expert all-to-all would then wait for that default instead of ``timeout``. Returns how many
-    groups were updated. The private torch calls live in :mod:`lightning_zeromoe._torch_private`.
-    """
-    if timeout is None or not torch.distributed.is_initialized():
-        return 0
-    from lightning_zeromoe import _torch_private
-
-    missing = _torch_private.missing_private_api()
-    if missing:
-        rank_zero_warn(f"This torch lacks distributed_c10d.{', '.join(missing)}: expert-parallel groups keep the "
-                       "backend's default collective timeout instead of ZeroMoEStrategy(timeout=...).")
-        return 0
-    groups = _torch_private.groups_of_this_rank()
-    for group in groups:
-        _torch_private.set_group_timeout(timeout, group)
-    return len(groups)
-
-
-def stop_launched_ranks(launcher: Any, grace: float) -> None:
-    """When the launching rank fails, stop the ranks it started instead of leaving them behind.
-
-    Lightning's script launcher kills its child ranks only on Ctrl+C. After any other error in
-    rank 0 the children sit in a collective until the timeout, and DeepSpeed's CPU shared-memory
-    comm op can spin forever waiting for a peer that is gone. Children that exit on their own
-    within ``grace`` seconds (with their own error message) are left to do so.
-    """
-    procs = getattr(launcher, "procs", None) or []
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def group_timeout(group: Any) -> timedelta | None:
-    """The collective timeout a process group's backend will use (for tests and the doctor)."""
-    from lightning_zeromoe._torch_private import group_timeout as read
-
-    return read(group)
-
-
 def _saved_parameter_order(checkpoint_dir: Any) -> list[str]:
     """Parameter names in the order a DeepSpeed checkpoint's flat optimizer groups hold them."""
     root = Path(checkpoint_dir)
@@ -659,21 +611,6 @@ def _autoep_converted(model: Module) -> bool:
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
     return any(isinstance(m, AutoEPMoELayer) for m in model.modules())
-
-
-def _use_deepspeed_cpu_accelerator() -> None:
-    """Point DeepSpeed at its CPU accelerator (gloo), even on a machine that has GPUs."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())
-    if "LOCAL_SIZE" not in os.environ:
-        # Without it, the CPU accelerator runs `numactl --hardware` in a subprocess every time it
-        # counts devices: 5 times per ZeRO-3 step (measured, ~0.7 ms each). Count once, keep it.
-        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
 
 
 def _register_by_name() -> None:

@@ -1,0 +1,85 @@
+"""The processes a run lives in: DeepSpeed's CPU accelerator, collective timeouts on every group,
+and the ranks Lightning launched.
+
+Used by :class:`~lightning_zeromoe.strategy.ZeroMoEStrategy`, and by the troubleshooter's
+reproductions and tests (which import it lazily). The private torch calls live in
+:mod:`lightning_zeromoe._torch_private`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+
+def apply_timeout_to_all_groups(timeout: timedelta | None) -> int:
+    """Give every process group this rank belongs to the strategy's collective timeout.
+
+    DeepSpeed creates the expert-parallel and expert-data-parallel groups with
+    ``torch.distributed.new_group(ranks)`` and no timeout, so they get the backend default
+    (torch 2.13: 30 min for gloo, 10 min for NCCL), not the world group's. A rank stuck in an
+    expert all-to-all would then wait for that default instead of ``timeout``. Returns how many
+    groups were updated. The private torch calls live in :mod:`lightning_zeromoe._torch_private`.
+    """
+    if timeout is None or not torch.distributed.is_initialized():
+        return 0
+    from lightning_zeromoe import _torch_private
+
+    missing = _torch_private.missing_private_api()
+    if missing:
+        rank_zero_warn(f"This torch lacks distributed_c10d.{', '.join(missing)}: expert-parallel groups keep the "
+                       "backend's default collective timeout instead of ZeroMoEStrategy(timeout=...).")
+        return 0
+    groups = _torch_private.groups_of_this_rank()
+    for group in groups:
+        _torch_private.set_group_timeout(timeout, group)
+    return len(groups)
+
+
+def stop_launched_ranks(launcher: Any, grace: float) -> None:
+    """When the launching rank fails, stop the ranks it started instead of leaving them behind.
+
+    Lightning's script launcher kills its child ranks only on Ctrl+C. After any other error in
+    rank 0 the children sit in a collective until the timeout, and DeepSpeed's CPU shared-memory
+    comm op can spin forever waiting for a peer that is gone. Children that exit on their own
+    within ``grace`` seconds (with their own error message) are left to do so.
+    """
+    procs = getattr(launcher, "procs", None) or []
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def group_timeout(group: Any) -> timedelta | None:
+    """The collective timeout a process group's backend will use (for tests and the doctor)."""
+    from lightning_zeromoe._torch_private import group_timeout as read
+
+    return read(group)
+
+
+def use_deepspeed_cpu_accelerator() -> None:
+    """Point DeepSpeed at its CPU accelerator (gloo), even on a machine that has GPUs."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    if "LOCAL_SIZE" not in os.environ:
+        # Without it, the CPU accelerator runs `numactl --hardware` in a subprocess every time it
+        # counts devices: 5 times per ZeRO-3 step (measured, ~0.7 ms each). Count once, keep it.
+        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
+
+
+__all__ = ["apply_timeout_to_all_groups", "group_timeout", "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]
