@@ -552,6 +552,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                        f"{time.monotonic() - start:.1f} s)")
         return client_state
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """``load_full_weights=True``: every rank loads its own experts from the full state dict.
 
