@@ -268,7 +268,7 @@ def test_fresh_notebook_lint_doctor_panels_and_walkthrough(lab):
     # a CUDA OOM message: the panel says what its numbers mean
     cuda = lab.cell(5).locator(".troubleshooter-panel")
     cuda.wait_for()
-    assert "not fragmentation" in cuda.inner_text() and "75.10 GiB" in cuda.inner_text()
+    assert "the cache could not have served it" in cuda.inner_text() and "75.10 GiB" in cuda.inner_text()
     assert page.locator(".jp-Notebook").count() == 1
 
 
