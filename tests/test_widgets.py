@@ -133,7 +133,9 @@ def test_native_moe_walkthrough_lints_and_tries_the_fix():
     walk = walkthrough("native-moe-zero3")
     walk.check_button.click()
     outcome = walk.outcomes[0]
-    assert outcome.ok is False and any("native-moe-zero3" in d for d in outcome.details)
+    # The seeds' "moe" block is not live config: lint reports it once (where each key really goes)
+    # and derives no error from its keys.
+    assert outcome.numbers["errors"] == 0 and any("moe-config-block-ignored" in d for d in outcome.details)
     assert '-  "moe": {' in html.unescape(walk.patch_view.value)
     walk.try_button.click()
     tried = walk.tries[0]
@@ -168,7 +170,8 @@ def test_pitfalls_walkthrough_check_finds_the_tie():
 
 
 def test_a_failing_check_is_shown_not_raised():
-    walk = walkthrough("native-moe-zero3", config={"zero_optimization": "not a dict"})
+    # A notebook dict holding a value no JSON config can hold: lint itself raises on it.
+    walk = walkthrough("native-moe-zero3", config={"zero_optimization": {"stage": object()}})
     walk.check_button.click()
     assert 0 in walk.errors and "the check failed" in walk.check_output.value
 
