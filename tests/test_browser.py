@@ -67,6 +67,9 @@ def _write_settings(settings: Path) -> None:
     for plugin, values in {
         "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
         "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+        # No autosave: a saved notebook would come back with its outputs when the next test opens
+        # another one, and its panels would match that test's locators.
+        "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
     }.items():
         path = settings / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +86,8 @@ class Lab:
         """Open a notebook in a fresh kernel (the previous notebook's kernel is shut down first)."""
         self.page.evaluate("() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
                            " return w && w.sessionContext ? w.sessionContext.shutdown() : null; }")
-        self.page.goto(f"{self.base}/lab/tree/{name}?token={self.token}")
+        # ?reset: a fresh layout, so the notebooks earlier tests opened are not reopened beside it.
+        self.page.goto(f"{self.base}/lab/tree/{name}?reset&token={self.token}")
         self.page.wait_for_function(
             "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
             " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
