@@ -327,6 +327,28 @@ CHECKED = {
     "zero3-noop-move": ["test_own_errors.py::test_pitfall_warnings_and_audit_messages_name_their_entry"],
     "zero3-no-gradient": ["test_own_errors.py::test_pitfall_warnings_and_audit_messages_name_their_entry"],
     "zero3-aliased-weight": ["test_own_errors.py::test_pitfall_warnings_and_audit_messages_name_their_entry"],
+    # entries from the strategy, export, resume, HF-architecture and explain work: each is
+    # triggered for real (a real engine, a real CLI run, a real DeepSpeed error) in its own test
+    "ep-disabled-by-config": ["test_resolve.py::test_enabled_false_with_ep_size_is_refused_at_construction"],
+    "merged-config-invalid": ["test_resolve.py::test_invalid_user_stage_is_refused"],
+    "offload-needs-ds-cpu-optimizer": [
+        "test_resolve.py::test_offload_with_a_torch_optimizer_is_refused_naming_deepspeed_cpu_adam"],
+    "strategy-keyword-refused": ["test_keywords.py::test_zero_optimization_keyword_is_refused_naming_stage_0"],
+    "save-after-evaluation": ["test_strategy_paths.py::test_validate_after_fit_and_from_checkpoint_equal_a_plain_eval"],
+    "ep-layout": ["test_doctor.py::test_layout"],
+    "moe-conversion-mismatch": ["test_hf_semantics.py::test_probe_catches_route_norm_opposite_to_the_config"],
+    "resume-shape-unsupported": ["test_resume.py::test_a_shape_change_that_cannot_work_is_refused_before_training"],
+    "config-passed-twice": ["test_explain.py::test_real_deepspeed_errors_are_recognised"],
+    "load-checkpoint-no-optimizer": ["test_explain.py::test_real_deepspeed_errors_are_recognised"],
+    "zero-to-fp32-mismatch": ["test_explain.py::test_zero_to_fp32_messages_are_the_installed_ones"],
+    "export-dtype": ["test_own_errors.py::test_export_dtype_refusals_name_their_entry"],
+    "export-meta-version": ["test_export_units.py::test_meta_round_trips_and_refuses_other_versions"],
+    "export-not-a-checkpoint": ["test_checkpoint.py::test_missing_directory"],
+    "export-output-path": ["test_checkpoint.py::test_export_dtype_and_no_silent_overwrite"],
+    "export-shard-corrupt": ["test_checkpoint.py::test_truncated_shard"],
+    "export-shards-mismatch": ["test_checkpoint.py::test_missing_rank_shard"],
+    "export-unsupported-model": ["test_export_units.py::test_lora_merge_and_adapter_names"],
+    "export-untrusted-object": ["test_checkpoint.py::test_checkpoint_holding_a_custom_class_is_refused_unless_trusted"],
 }
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe import MoEPattern, checkpoint, pitfalls
-from lightning_zeromoe.checkpoint.export import check_output
+from lightning_zeromoe.checkpoint.export import check_output, target_dtype
 from lightning_zeromoe.discovery import discover
 from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
 from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
@@ -132,6 +132,19 @@ def test_export_errors_name_their_entry(tmp_path):
     with pytest.raises(checkpoint.ExportError) as err:
         check_output(file, tmp_path / "ckpt", overwrite=False)
     _check(str(err.value), "export-output-path")
+
+
+def test_export_dtype_refusals_name_their_entry():
+    """An unknown dtype, and float32 from a bf16 stage-1/2 checkpoint (only an upcast there)."""
+    from types import SimpleNamespace
+
+    bf16_stage2 = SimpleNamespace(dtype="bfloat16", zero_stage=2)
+    for dtype, phrase in (("int8", "unsupported dtype 'int8'"), ("float32", "would only be an upcast")):
+        with pytest.raises(checkpoint.ExportError) as err:
+            target_dtype(dtype, bf16_stage2)
+        assert err.value.entry_id == "export-dtype" and phrase in str(err.value)
+        _check(str(err.value), "export-dtype")
+    assert str(target_dtype("auto", bf16_stage2)) == "torch.bfloat16"
 
 
 def test_every_own_error_entry_exists_and_the_prefix_alone_is_recognised():
