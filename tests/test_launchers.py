@@ -25,10 +25,10 @@ def test_torchrun_two_processes(tmp_path):
 
 
 def test_bad_expert_count_fails_fast_on_every_rank(tmp_path):
-    """3 experts with ep_size=2: every rank stops in setup_environment with our message, no hang."""
+    """3 experts with ep_size=2: every rank stops in setup (before any engine) with our message, no hang."""
     proc = run([sys.executable, str(JOBS / "train_tiny.py"), "--out", str(tmp_path), "--num-experts", "3"], timeout=180)
     assert proc.returncode != 0
-    assert "ZeroMoEConfigError: ep_size=2 does not divide num_experts=3" in proc.stderr
+    assert "ZeroMoEConfigError: [ep-size-divisibility] ep_size=2 does not divide num_experts=3" in proc.stderr
     assert "deepspeed/runtime" not in proc.stderr, "the error should come before any DeepSpeed engine code runs"
     assert not list(tmp_path.glob("rank*.json"))
 
