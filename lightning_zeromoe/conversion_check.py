@@ -155,7 +155,9 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, toke
     device = ref.device if ref is not None else torch.device("cpu")
     tol = tolerance_for(dtype)
     hidden = block_info.layout.hidden_size if block_info.layout else None
-    with _gathered(block), _attributes_kept(block), torch.no_grad():
+    # AutoEP gathers a ZeRO-3 block's parameters itself while it builds the layer, so the block is
+    # gathered for the forward passes only (nested gathers of one parameter are refused).
+    with _attributes_kept(block), torch.no_grad():
         try:
             config = parse_autoep_config(_section_for_probe(found))
             specs = AutoEP(_Holder(block, found.root_config), config).ep_parser()
@@ -167,37 +169,38 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, toke
             _raw_router_logits(layer)
         except Exception as exc:  # noqa: BLE001 - AutoEP refusing the block is a verdict, not a crash
             return BlockCheck(block_info.path, False, None, None, tol, f"AutoEP refused it: {exc}")
-        hidden = hidden or spec.hidden_size
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(2, tokens // 2, hidden, generator=gen).to(device=device, dtype=dtype)
-        want_logits, handles = _record(block, recorders)
-        try:
-            original = block(x)
-            want = _first(original)
-        except Exception as exc:  # noqa: BLE001
-            return BlockCheck(block_info.path, False, None, None, tol, f"the original block cannot be probed: {exc}")
-        finally:
-            for h in handles:
-                h.remove()
-        returns_tuple = isinstance(original, tuple)
-        match_output_contract(layer, returns_tuple)
-        try:
-            converted = layer(x)
-            got = _first(converted)
-        except Exception as exc:  # noqa: BLE001
-            return BlockCheck(block_info.path, False, None, None, tol, f"the AutoEP layer fails on it: {exc}")
-        if not bool(want.abs().max() > 0):
-            return BlockCheck(block_info.path, False, None, None, tol,
-                              "the original block outputs zeros on the probe, so the probe proves nothing")
-        # A tuple where the caller unpacks one is fatal (Llama-4); the reverse is Qwen3.5's preset
-        # contract, which its decoder layer unpacks.
-        if returns_tuple and not isinstance(converted, tuple):
-            return BlockCheck(block_info.path, False, None, None, tol, "the AutoEP layer returns "
-                              f"{type(converted).__name__} where the original returns {type(original).__name__}")
-        out_err = _rel(want, got)
-        logits_err = None
-        if want_logits:
-            logits_err = _rel(want_logits[0], layer.router.gate(x.reshape(-1, hidden)))
+        with _gathered(block):
+            hidden = hidden or spec.hidden_size
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(2, tokens // 2, hidden, generator=gen).to(device=device, dtype=dtype)
+            want_logits, handles = _record(block, recorders)
+            try:
+                original = block(x)
+                want = _first(original)
+            except Exception as exc:  # noqa: BLE001
+                return BlockCheck(block_info.path, False, None, None, tol, f"the original block cannot be probed: {exc}")
+            finally:
+                for h in handles:
+                    h.remove()
+            returns_tuple = isinstance(original, tuple)
+            match_output_contract(layer, returns_tuple)
+            try:
+                converted = layer(x)
+                got = _first(converted)
+            except Exception as exc:  # noqa: BLE001
+                return BlockCheck(block_info.path, False, None, None, tol, f"the AutoEP layer fails on it: {exc}")
+            if not bool(want.abs().max() > 0):
+                return BlockCheck(block_info.path, False, None, None, tol,
+                                  "the original block outputs zeros on the probe, so the probe proves nothing")
+            # A tuple where the caller unpacks one is fatal (Llama-4); the reverse is Qwen3.5's preset
+            # contract, which its decoder layer unpacks.
+            if returns_tuple and not isinstance(converted, tuple):
+                return BlockCheck(block_info.path, False, None, None, tol, "the AutoEP layer returns "
+                                  f"{type(converted).__name__} where the original returns {type(original).__name__}")
+            out_err = _rel(want, got)
+            logits_err = None
+            if want_logits:
+                logits_err = _rel(want_logits[0], layer.router.gate(x.reshape(-1, hidden)))
     problems = []
     if not out_err <= tol:
         problems.append(f"output differs by {out_err:.3g} (relative max-abs)")
