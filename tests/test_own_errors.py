@@ -24,6 +24,7 @@ from lightning_zeromoe.discovery import discover
 from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
 from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 from claims_util import claims
+from test_pitfalls import MovesItself
 from test_validation import DenseModule, NativeMoEModule, prepared
 from troubleshooter import knowledge
 
@@ -88,16 +89,7 @@ def test_validation_warnings_name_their_entry():
 
 
 def test_pitfall_warnings_and_audit_messages_name_their_entry():
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, x):
-            self.lin.to("cpu")
-            return self.lin(x)
-
-    net = Net()
+    net = MovesItself()
     guard = pitfalls.DeviceMoveGuard(net, torch.device("cpu")).install()
     try:
         with warnings.catch_warnings(record=True) as caught:

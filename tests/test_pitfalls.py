@@ -153,6 +153,18 @@ def test_raw_zero_init_skips_module_to(raw):
         assert rank["buffers"]["zero_init"]["root_to_calls"] == 0
 
 
+class MovesItself(nn.Module):
+    """A module that calls ``.to("cpu")`` on a child in forward: a no-op move on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        self.lin.to("cpu")
+        return self.lin(x)
+
+
 def test_move_buffers_moves_buffers_not_parameters():
     """On a CPU-only machine the other device is 'meta'; the function is device-agnostic."""
     model = TinyMoELM(TinyMoEConfig(num_layers=1))
@@ -174,16 +186,7 @@ def test_guard_outside_zero_and_removal_restore_torch():
     removing the last guard restores nn.Module's own methods."""
     original_to = nn.Module.to
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, x):
-            self.lin.to("cpu")
-            return self.lin(x)
-
-    net = Net()
+    net = MovesItself()
     guard = pitfalls.DeviceMoveGuard(net, torch.device("cpu")).install()
     try:
         assert nn.Module.to is not original_to
