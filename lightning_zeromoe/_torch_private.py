@@ -1,4 +1,4 @@
-"""The only place that touches torch's private ``distributed_c10d`` API.
+"""The only place that touches torch's private ``distributed_c10d`` API and ``nn.Module`` hook tables.
 
 DeepSpeed creates its expert-parallel groups with ``new_group(ranks)`` and no timeout, and torch
 has no public way to change a group's timeout afterwards or to list the groups that exist. These
@@ -9,7 +9,13 @@ helpers wrap the private pieces that do it (present in torch 2.3 - 2.13):
 * ``distributed_c10d._rank_not_in_group(group)``: whether this rank is outside a group;
 * ``ProcessGroup._get_backend(device).options._timeout``: read a group's timeout back.
 
-``tests/test_torch_private.py`` checks each one exists, so a torch upgrade that removes one fails
+Lightning's ``remove_module_hooks`` (run before an evaluation engine is built on a model a
+training engine used) empties every hook table of every module, so Hugging Face's output-capture
+hooks (``output_router_logits``), AutoEP's retargeted recorders and the user's own hooks go with
+DeepSpeed's. :func:`remove_hooks_defined_in` removes only the hooks a package defined, through
+``nn.Module``'s private tables (``_forward_hooks`` and the others in :data:`HOOK_TABLES`).
+
+``tests/test_lightning_internals.py`` checks each one exists, so a torch upgrade that removes one fails
 there, by name, instead of silently leaving expert groups on the backend default.
 """
 
@@ -24,6 +30,14 @@ import torch
 REQUIRED_C10D = ("_set_pg_timeout", "_world", "_rank_not_in_group")
 
 
+#: ``nn.Module``'s hook tables (dicts of handle id -> hook), present in torch 2.0 - 2.13.
+HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+#: Per-hook flags keyed by the same handle ids.
+HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
 def _c10d() -> Any:
     from torch.distributed import distributed_c10d
 
@@ -36,7 +50,41 @@ def missing_private_api() -> list[str]:
     missing = [name for name in REQUIRED_C10D if not hasattr(c10d, name)]
     if hasattr(c10d, "_world") and not hasattr(c10d._world, "pg_map"):
         missing.append("_world.pg_map")
+    module = torch.nn.Linear(1, 1)
+    missing += [f"nn.Module.{name}" for name in HOOK_TABLES + HOOK_FLAGS + ("_is_full_backward_hook",)
+                if not hasattr(module, name)]
     return missing
+
+
+def _defined_in(hook: Any, package: str) -> bool:
+    """Whether ``hook`` (a function, bound method, partial or torch's ``_WrappedHook``) comes from ``package``."""
+    for _ in range(4):  # unwrap: _WrappedHook.hook, partial.func, bound method.__func__
+        inner = getattr(hook, "hook", None) or getattr(hook, "func", None) or getattr(hook, "__func__", None)
+        if inner is None:
+            break
+        hook = inner
+    module = getattr(hook, "__module__", None) or ""
+    return module == package or module.startswith(package + ".")
+
+
+def remove_hooks_defined_in(model: torch.nn.Module, package: str) -> int:
+    """Remove from every submodule of ``model`` the hooks whose function ``package`` defined.
+
+    Every other hook stays, in its order. Returns how many were removed.
+    """
+    removed = 0
+    for module in model.modules():
+        for table in HOOK_TABLES:
+            hooks = getattr(module, table, None)
+            for handle_id, hook in list((hooks or {}).items()):
+                if _defined_in(hook, package):
+                    del hooks[handle_id]
+                    for flags in HOOK_FLAGS:
+                        getattr(module, flags, {}).pop(handle_id, None)
+                    removed += 1
+        if not module._backward_hooks:
+            module._is_full_backward_hook = None
+    return removed
 
 
 def groups_of_this_rank() -> list[Any]:

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_zeromoe._torch_private import remove_hooks_defined_in
 from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keywords
@@ -359,10 +360,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
         """validate/test/predict: the same builder as training, with ``expert_parallel`` kept."""
-        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
-
         config = inference_config(self.config, already_converted=_autoep_converted(model))
-        remove_module_hooks(model)  # the training engine's hooks, if fit ran before in this process
+        remove_hooks_defined_in(model, "deepspeed")  # the training engine's, if fit ran before in this process
         self.model, _ = self._build_engine(model, config, optimizer=None, params=[], lr_scheduler=None)
 
     def _load_checkpoint_for_evaluation(self, checkpoint_path: Any) -> None:
@@ -379,14 +378,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """
         if self.model is None or not self.zero_stage_3:
             return
-        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
-
         module = self.lightning_module
         config = inference_config(self.config, already_converted=_autoep_converted(module))
         trainable = dict((n, p) for n, p in module.named_parameters() if p.requires_grad)
         order = [n for n in _saved_parameter_order(checkpoint_path) if n in trainable]
         params = [trainable[n] for n in order] + [p for n, p in trainable.items() if n not in set(order)]
-        remove_module_hooks(module)
+        remove_hooks_defined_in(module, "deepspeed")
         self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
                                            lr_scheduler=None)
 

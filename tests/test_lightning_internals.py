@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override  # noqa: F401  (the decorator the strategy uses)
 
@@ -65,8 +67,39 @@ def test_no_other_module_touches_the_private_c10d_api():
         if path.name == "_torch_private.py":
             continue
         text = path.read_text()
-        for needle in ("._set_pg_timeout(", "_world.pg_map", "_rank_not_in_group(", "options._timeout"):
+        for needle in ("._set_pg_timeout(", "_world.pg_map", "_rank_not_in_group(", "options._timeout",
+                       "._forward_hooks", "._forward_pre_hooks", "._backward_hooks", "remove_module_hooks("):
             if needle in text:
                 offenders.append(f"{path.relative_to(root)}: {needle}")
     assert not offenders, offenders
     assert inspect.getsource(ZeroMoEStrategy)  # importable
+
+
+def test_only_deepspeeds_hooks_are_removed_before_an_evaluation_engine():
+    """Lightning's ``remove_module_hooks`` empties every hook table; ours keeps what DeepSpeed did not
+    register: Hugging Face's output capture (``output_router_logits``) and the user's own hooks."""
+    import functools
+
+    from deepspeed.runtime.zero import parameter_offload  # a module that defines DeepSpeed's hooks
+    from transformers.utils import output_capturing
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    seen = []
+
+    def user_hook(module, args, output):
+        seen.append(type(module).__name__)
+
+    ds_hook = functools.partial(parameter_offload.DeepSpeedZeRoOffload.destroy)  # any function DeepSpeed defined
+    model[0].register_forward_hook(user_hook)
+    model[0].register_forward_pre_hook(ds_hook, with_kwargs=True)
+    model[1].register_forward_hook(ds_hook)
+    model[1].register_full_backward_hook(ds_hook)
+    output_capturing.install_output_capuring_hook(model[1], "router_logits", 0)
+
+    assert _torch_private.remove_hooks_defined_in(model, "deepspeed") == 3
+    assert list(model[0]._forward_hooks.values()) == [user_hook]
+    assert not model[0]._forward_pre_hooks and not model[0]._forward_pre_hooks_with_kwargs
+    assert [h.__name__ for h in model[1]._forward_hooks.values()] == ["output_capturing_hook"]
+    assert not model[1]._backward_hooks and model[1]._is_full_backward_hook is None
+    model(torch.ones(1, 2))
+    assert seen == ["Linear"]
