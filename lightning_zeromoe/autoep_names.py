@@ -40,6 +40,11 @@ class BlockNames:
     w3: str | None = None
     shared: str = ""
     shared_gate: str = ""
+    #: ``fused_3d`` (one ``[E, ...]`` tensor per weight) or a preset's per-expert module storage.
+    storage: str = "fused_3d"
+    #: The block's own name for what AutoEP's router holds as ``e_score_correction_bias``
+    #: (empty: ``<router>.e_score_correction_bias``, DeepSeek-V3's).
+    score_bias: str = ""
 
 
 def block_names(ep_section: Mapping[str, Any]) -> BlockNames:
@@ -51,7 +56,7 @@ def block_names(ep_section: Mapping[str, Any]) -> BlockNames:
 
         preset = get_preset(preset_name)
         values = dict(router=preset.router_pattern, experts=preset.experts_pattern, w1=preset.expert_w1,
-                      w2=preset.expert_w2, w3=preset.expert_w3,
+                      w2=preset.expert_w2, w3=preset.expert_w3, storage=preset.expert_storage,
                       shared=preset.shared_experts_pattern if preset.has_shared_experts else "",
                       shared_gate=preset.shared_experts_gate_pattern if preset.has_shared_experts else "")
     for key, ours in (("router_pattern", "router"), ("expert_pattern", "experts"), ("expert_w1", "w1"),
@@ -62,10 +67,26 @@ def block_names(ep_section: Mapping[str, Any]) -> BlockNames:
     return BlockNames(**values)
 
 
+def names_of_block(layout: Any, section: BlockNames) -> BlockNames:
+    """The names of one block as the model itself spells them, from discovery's ``BlockLayout``.
+
+    The AutoEP section may name a nested router projection by its alias (``zeromoe_router``, see
+    :data:`lightning_zeromoe.moe_structure.ROUTER_ALIAS`), which leaves the model with the block;
+    the layout has the real path (HunYuan's ``gate.wg``, AFMoE's ``router.gate``), the
+    shared-expert modules and the score bias (AFMoE's ``expert_bias``) discovery found.
+    """
+    return BlockNames(router=layout.router_linear, experts=layout.experts, w1=layout.w1, w2=layout.w2,
+                      w3=layout.w3, shared=layout.shared_experts or section.shared,
+                      shared_gate=layout.shared_experts_gate or section.shared_gate, storage=section.storage,
+                      score_bias=layout.score_bias or "")
+
+
 def own_name(autoep_local: str, names: BlockNames) -> str | None:
     """``router.gate.weight`` -> ``gate.weight`` (dense tensors of an AutoEP layer; experts excluded)."""
     if autoep_local.startswith("router.gate."):
         return f"{names.router}.{autoep_local[len('router.gate.'):]}"
+    if autoep_local == "router.e_score_correction_bias":  # copied by AutoEP from the source block
+        return names.score_bias or f"{names.router}.e_score_correction_bias"
     for ours, theirs in (("shared_experts_gate.", names.shared_gate), ("shared_experts.", names.shared)):
         if autoep_local.startswith(ours) and theirs:
             return theirs + "." + autoep_local[len(ours):]

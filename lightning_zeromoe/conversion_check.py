@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe.discovery import Discovery, MoEBlock
+from lightning_zeromoe.moe_structure import SCORE_BIAS
 
 ENTRY_ID = "moe-conversion-mismatch"
 #: AutoEP presets whose adapter already hands HF's recorder the raw router logits.
@@ -248,6 +249,33 @@ def router_aliases(root: nn.Module, found: Discovery, install: bool) -> list[str
     return done
 
 
+def bias_aliases(root: nn.Module, found: Discovery, install: bool) -> list[str]:
+    """Show AutoEP a block's ``expert_bias`` as ``e_score_correction_bias`` (the same tensor, no
+    copy; see :attr:`BlockLayout.score_bias`), so the converted router keeps it; or take the
+    aliases away again (``install=False``) from blocks that will not be converted, whose state
+    dict must not name the bias twice.
+
+    Without the alias AutoEP drops the bias and routes differently; the probe then refuses the
+    block (measured on AFMoE and LFM2-MoE with non-zero biases).
+    """
+    done = []
+    for block in found.blocks if install else [*found.blocks, *found.fallback]:
+        if block.layout is None or block.layout.score_bias != "expert_bias":
+            continue
+        module = root.get_submodule(block.path)
+        if install:
+            bias = module.expert_bias
+            if isinstance(bias, nn.Parameter):
+                module.register_parameter(SCORE_BIAS, bias)
+            else:
+                module.register_buffer(SCORE_BIAS, bias, persistent="expert_bias" not in module._non_persistent_buffers_set)
+        else:
+            module._parameters.pop(SCORE_BIAS, None)
+            module._buffers.pop(SCORE_BIAS, None)
+        done.append(block.path)
+    return done
+
+
 def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[Discovery, list[BlockCheck]]:
     """Probe every block ``found`` wants converted; return the discovery without the failed ones.
 
@@ -255,6 +283,7 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
     the others, so the model is ready for ``deepspeed.initialize`` with the returned discovery.
     """
     router_aliases(root, found, install=True)
+    bias_aliases(root, found, install=True)
     checks = [check_block(root, block, found, **probe) for block in found.blocks]
     passed = _agree_over_ranks([c.passed for c in checks])
     checks = [c if ok == c.passed else BlockCheck(c.path, False, c.output_error, c.logits_error, c.tolerance,
@@ -264,6 +293,7 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
     found = dataclasses.replace(found, blocks=[dataclasses.replace(b, returns_tuple=b.path in tuples)
                                                for b in found.blocks]).without(failed)
     router_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
+    bias_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
     return found, checks
 
 

@@ -21,6 +21,9 @@ SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 SHARED_GATE_NAMES = ("shared_expert_gate",)
 #: Tensors a block may carry for routing besides the router weight (kept, and named for export).
 ROUTING_TENSOR_NAMES = ("e_score_correction_bias", "expert_bias")
+#: What AutoEP's router calls a bias added to the scores for the choice of experts only
+#: (``deepspeed/moe/ep_router.py``); AutoEP copies it from any submodule of the block.
+SCORE_BIAS = "e_score_correction_bias"
 #: Child name under which a nested router projection (``gate.wg``) is shown to AutoEP, which reads
 #: ``<router>.weight`` from a direct child (see :func:`lightning_zeromoe.conversion_check.router_aliases`).
 ROUTER_ALIAS = "zeromoe_router"
@@ -60,6 +63,15 @@ class BlockLayout:
     def router_linear(self) -> str:
         """The module whose ``weight`` is the router projection, e.g. ``gate`` or ``gate.wg``."""
         return self.router_weight.rsplit(".", 1)[0]
+
+    @property
+    def score_bias(self) -> str | None:
+        """The block's own choice-only score bias, if it has one: DeepSeek-V3's
+        ``gate.e_score_correction_bias`` (AutoEP's name), or the same bias kept as ``expert_bias``
+        on the block by AFMoE and LFM2-MoE (``topk(sigmoid(logits) + expert_bias)``, weights
+        from the unbiased scores: what AutoEP's router does with its bias)."""
+        own = [t for t in self.extra_tensors if t.rsplit(".", 1)[-1] == SCORE_BIAS]
+        return own[0] if own else ("expert_bias" if "expert_bias" in self.extra_tensors else None)
 
     @property
     def autoep_router(self) -> str:

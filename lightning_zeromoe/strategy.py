@@ -486,7 +486,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.checkpoint import META_FILE, build_meta, write_meta
 
         try:
-            meta = build_meta(self.lightning_module, self.config, world_size=self.world_size)
+            found = self.discovery.blocks if self.discovery is not None else []
+            meta = build_meta(self.lightning_module, self.config, world_size=self.world_size,
+                              blocks={b.path: b.layout for b in found if b.layout is not None})
             write_meta(meta, filepath)
         except Exception as err:  # noqa: BLE001 - the DeepSpeed checkpoint is already safe on disk
             rank_zero_warn(f"ZeroMoEStrategy: could not write {META_FILE} into {filepath} ({type(err).__name__}: "

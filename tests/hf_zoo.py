@@ -2,7 +2,8 @@
 
 Every model: hidden 64, 2 decoder layers that are MoE (3 with a dense first layer where the
 family has one), 4 experts, top-2, vocab 128. ``build(model_type)`` returns the causal LM in
-float32, seeded. ``moe_model_types()`` enumerates the MoE causal-LM types transformers itself
+float32, seeded, with non-zero routing biases (``e_score_correction_bias``, ``expert_bias``) as a
+pretrained model has. ``moe_model_types()`` enumerates the MoE causal-LM types transformers itself
 registers (its auto-mapping, and the expert-count attributes of each config), so a family added
 by a newer transformers shows up as untested instead of silently missing.
 """
@@ -75,6 +76,14 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     config = tiny_config(model_type)
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # A pretrained model's routing biases are learned, not zero: give them values that change
+    # which experts are picked, so the conversion and the export are tested on them.
+    from lightning_zeromoe.moe_structure import ROUTING_TENSOR_NAMES
+
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.rsplit(".", 1)[-1] in ROUTING_TENSOR_NAMES and tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
     return model.float()
 
 

@@ -5,8 +5,9 @@ it (AutoEP router ``<block>.router.gate.weight`` -> ``<block>.gate.weight``; Aut
 ``w1``/``w3``/``w2`` -> the fused ``gate_up_proj``/``down_proj`` or separate tensors they were
 repacked from), the fused layout those came in, the LightningModule prefix to strip, tied
 groups, persistent buffers, frozen parameters, PEFT LoRA adapters, the training dtype and the
-model's config. The fused layout is read from the user's architecture, rebuilt on the meta
-device (no memory, no data), unless the caller passes it (``layouts``, e.g. from discovery).
+model's config. The block's own names and fused layout come from discovery when the strategy
+passes its ``BlockLayout``s (``blocks``); otherwise the names come from the AutoEP section and
+the layout from the user's architecture, rebuilt on the meta device (no memory, no data).
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from lightning_zeromoe.autoep_names import BlockNames, block_names, names_of_block, own_name
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
 
 __all__ = ["META_FILE", "build_meta", "write_meta", "expert_layout"]
 
 
 def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, tag: str = "checkpoint",
-               layouts: Mapping[str, str] | None = None) -> ExportMeta:
+               blocks: Mapping[str, Any] | None = None) -> ExportMeta:
     """Describe ``module`` (the LightningModule, after AutoEP conversion) for export.
 
     Names are those DeepSpeed uses in its shard files: ``module.named_parameters()`` of the
-    engine's module, i.e. relative to the LightningModule. ``layouts`` maps an AutoEP layer's
-    path (``model.layers.0.mlp``) to its fused layout when the caller knows it.
+    engine's module, i.e. relative to the LightningModule. ``blocks`` maps an AutoEP layer's path
+    (``model.layers.0.mlp``) to discovery's ``BlockLayout`` of the block it replaced, when the
+    caller has it: the block's own names (a nested router, shared experts) and fused layout.
+    Without it, the names come from the AutoEP section and the layout from the rebuilt model.
     """
     ep_section = ds_config.get("expert_parallel") or {}
     prefix, root = _export_root(module)
@@ -36,7 +40,8 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
     if lora:  # export the base model inside PeftModel; adapters are written apart
         prefix, root = prefix + lora[0].peft_prefix, root.base_model.model
     layers = {name: m for name, m in module.named_modules() if getattr(type(m), "_is_autoep_layer", False)}
-    src = _source_names(ep_section) if layers else {}
+    section = block_names(ep_section) if layers else BlockNames()
+    names = {path: names_of_block(blocks[path], section) if blocks and path in blocks else section for path in layers}
     reference = _reference_shapes(root)
 
     def own(name: str) -> str | None:
@@ -52,13 +57,13 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
         for local_name, p in layer.named_parameters(remove_duplicate=False):
             if local_name not in canonical and id(p) in seen:
                 alias_ids.add(id(p))  # AutoEP aliases the router (e.g. as "gate") for HF's recorders
-        given = (layouts or {}).get(path)
-        entry = _expert_block(path, layer, src, own, reference, given)
+        given = blocks[path].layout if blocks and path in blocks else None
+        entry = _expert_block(path, layer, names[path], own, reference, given)
         (unsupported if isinstance(entry, str) else experts).append(entry)
         for local_name in canonical:
             if local_name.startswith("experts."):
                 continue
-            mapped = _map_layer_tensor(local_name, src)
+            mapped = own_name(local_name, names[path])
             if mapped is None:
                 unsupported.append(f"{path}.{local_name}: AutoEP parameter with no known source in the original block")
             else:
@@ -83,7 +88,7 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
         target = name
         if inside(name):
             path = next(p for p in layers if name.startswith(p + "."))
-            mapped = _map_layer_tensor(name[len(path) + 1:], src)
+            mapped = own_name(name[len(path) + 1:], names[path])
             if mapped is None:
                 unsupported.append(f"{name}: persistent buffer inside an AutoEP layer (not in the original block)")
                 continue
@@ -177,51 +182,19 @@ def _reference_shapes(root: Any) -> dict[str, list[int]] | None:
         return None
 
 
-def _source_names(ep_section: Mapping[str, Any]) -> dict[str, Any]:
-    """Router / experts / weight names of the original blocks, as AutoEP resolved them."""
-    names: dict[str, Any] = {"router": "gate", "experts": "experts", "w1": "gate_up_proj", "w2": "down_proj",
-                             "w3": None, "storage": "fused_3d", "shared": "", "shared_gate": ""}
-    preset_name = ep_section.get("preset_model")
-    if preset_name:
-        from deepspeed.module_inject.auto_ep_presets.registry import get_preset
-
-        preset = get_preset(preset_name)
-        names.update(router=preset.router_pattern, experts=preset.experts_pattern, w1=preset.expert_w1,
-                     w2=preset.expert_w2, w3=preset.expert_w3, storage=preset.expert_storage,
-                     shared=preset.shared_experts_pattern if preset.has_shared_experts else "",
-                     shared_gate=preset.shared_experts_gate_pattern if preset.has_shared_experts else "")
-    for key, ours in (("router_pattern", "router"), ("expert_pattern", "experts"), ("expert_w1", "w1"),
-                      ("expert_w2", "w2"), ("expert_w3", "w3")):
-        if key in ep_section:
-            names[ours] = ep_section[key]
-    return names
-
-
-def _map_layer_tensor(local_name: str, src: Mapping[str, Any]) -> str | None:
-    """AutoEP layer tensor name (``router.gate.weight``) -> the original block's (``gate.weight``)."""
-    if local_name in ("router.gate.weight", "router.gate.bias"):
-        return f"{src['router']}.{local_name.rsplit('.', 1)[1]}"
-    if local_name == "router.e_score_correction_bias":  # DeepSeek-V3: copied from the source router
-        return f"{src['router']}.e_score_correction_bias"
-    for ours, theirs in (("shared_experts_gate.", src.get("shared_gate")), ("shared_experts.", src.get("shared"))):
-        if local_name.startswith(ours) and theirs:
-            return theirs + "." + local_name[len(ours):]
-    return None
-
-
-def _expert_block(path: str, layer: Any, src: Mapping[str, Any], own: Any, reference: dict[str, list[int]] | None,
+def _expert_block(path: str, layer: Any, src: BlockNames, own: Any, reference: dict[str, list[int]] | None,
                   given: str | None) -> ExpertBlock | str:
-    if src.get("storage") != "fused_3d":
-        return (f"{path}: experts stored as {src.get('storage')!r} (one module per expert); export supports "
+    if src.storage != "fused_3d":
+        return (f"{path}: experts stored as {src.storage!r} (one module per expert); export supports "
                 "fused 3-D expert tensors (transformers >= 5 layout)")
-    exp = f"{path}.{src['experts']}"
+    exp = f"{path}.{src.experts}"
     sources = {w: f"{path}.experts.{w}" for w in ("w1", "w2", "w3")}
     common = dict(module_path=path, num_experts=int(layer.num_experts), num_local_experts=int(layer.num_local_experts),
                   ep_size=int(layer.ep_size), sources=sources)
-    if src["w3"] is not None:
+    if src.w3 is not None:
         return ExpertBlock(**common, layout="separate", layout_source="pattern",
-                           targets={"gate": f"{exp}.{src['w1']}", "up": f"{exp}.{src['w3']}", "down": f"{exp}.{src['w2']}"})
-    targets = {"gate_up": f"{exp}.{src['w1']}", "down": f"{exp}.{src['w2']}"}
+                           targets={"gate": f"{exp}.{src.w1}", "up": f"{exp}.{src.w3}", "down": f"{exp}.{src.w2}"})
+    targets = {"gate_up": f"{exp}.{src.w1}", "down": f"{exp}.{src.w2}"}
     if given is not None:
         layout, source = given, "caller"
     else:

@@ -6,13 +6,16 @@ re-running the script), it loops over the families of ``tests/hf_zoo.py``: one t
 elsewhere), a few steps of HF's own loss (LM + ``router_aux_loss_coef`` x aux loss, with
 ``output_router_logits=True``). Afterwards rank 0 replays the batches both ranks received on a
 plain single-process copy of the same model (same initial weights, same AdamW) and records the
-per-step, per-rank loss and aux loss of both runs. ``tests/test_hf_coverage.py`` asserts on the
+per-step, per-rank loss and aux loss of both runs. With ``--export DIR`` each family's trained
+model is also saved (``trainer.save_checkpoint``), exported by rank 0 with ``zeromoe-export``'s
+function, loaded back with ``AutoModelForCausalLM.from_pretrained`` and compared, logits and
+loading report, with the plain run's trained copy. ``tests/test_hf_coverage.py`` asserts on the
 JSON and writes the coverage table.
 
 Usage::
 
     torchrun --nproc_per_node 2 tests/jobs/hf_zoo_parity.py --out /tmp/zoo [--archs mixtral olmoe:1]
-        [--uneven olmoe:1 gpt_oss:2]
+        [--uneven olmoe:1 gpt_oss:2] [--export /tmp/zoo_export]
 """
 
 from __future__ import annotations
@@ -104,8 +107,9 @@ def _data() -> SyntheticLMData:
     return SyntheticLMData(num_samples=64, seq_len=SEQ_LEN, vocab_size=VOCAB, seed=0)
 
 
-def reference(arch: str, per_rank_indices: list[list[list[int]]]) -> list[list[dict[str, Any]]]:
-    """The plain run: one process, the same model, each step the mean of the ranks' losses."""
+def reference(arch: str, per_rank_indices: list[list[list[int]]]) -> tuple[list[list[dict[str, Any]]], Any]:
+    """The plain run: one process, the same model, each step the mean of the ranks' losses.
+    Returns the per-rank records and the trained model."""
     net = build(arch)
     net.train()
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0)
@@ -122,10 +126,32 @@ def reference(arch: str, per_rank_indices: list[list[list[int]]]) -> list[list[d
             losses.append(loss)
         torch.stack(losses).mean().backward()
         opt.step()
-    return out
+    return out, net
 
 
-def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False) -> dict[str, Any]:
+def export_round_trip(arch: str, ckpt: Path, out_dir: Path, trained: torch.nn.Module) -> dict[str, Any]:
+    """Rank 0: export ``ckpt`` to an HF directory, ``from_pretrained`` it, and compare it with the
+    plain run's trained model: what the loader reported, and the logits on held-out tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_zeromoe.checkpoint import export
+
+    try:
+        export(ckpt, out_dir, overwrite=True, progress=False)
+        loaded, info = AutoModelForCausalLM.from_pretrained(out_dir, output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - reported per family
+        return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+    ids = SyntheticLMData(num_samples=2, seq_len=SEQ_LEN, vocab_size=VOCAB, seed=7).tokens
+    loaded.eval(), trained.eval()
+    with torch.no_grad():
+        got = loaded(input_ids=ids, use_cache=False).logits
+        want = trained(input_ids=ids, use_cache=False).logits
+    return {"class": type(loaded).__name__, "loading_info": {k: sorted(map(str, v)) for k, v in info.items()},
+            "max_abs_logit_gap": float((got - want).abs().max()), "logit_scale": float(want.abs().max()),
+            "files": sorted(p.name for p in out_dir.iterdir())}
+
+
+def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False, ckpt: Path | None = None) -> dict[str, Any]:
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
     t0 = time.perf_counter()
@@ -136,6 +162,8 @@ def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False) -> dict[
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module)
+    if ckpt is not None:
+        trainer.save_checkpoint(ckpt)
     found = strategy.discovery
     converted = sorted(n for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer))
     return {
@@ -157,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uneven", nargs="*", default=[],
                         help="after the parity runs, these 'arch:ep' with the routers skewed per rank (skew_routers)")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--export", type=Path, default=None,
+                        help="save, export and reload every family's trained model under this directory")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
@@ -166,15 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         uneven = spec.startswith("uneven:")
         arch, _, ep = spec.removeprefix("uneven:").partition(":")
         key = f"uneven:{arch}" if uneven else arch
+        ckpt = None if uneven or args.export is None else args.export / arch / "checkpoint"
         try:
-            result = run_arch(arch, int(ep or args.ep_size), args.steps, uneven)
+            result = run_arch(arch, int(ep or args.ep_size), args.steps, uneven, ckpt)
         except Exception as exc:  # noqa: BLE001 - one family failing must not hide the others
             result = {"arch": arch, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [r["indices"] for r in result.get("records", [])])
         if rank == 0 and "error" not in result and all(gathered) and not uneven:
             result["per_rank_indices"] = gathered
-            result["reference"] = reference(arch, gathered)
+            result["reference"], trained = reference(arch, gathered)
+            if ckpt is not None:
+                result["export"] = export_round_trip(arch, ckpt, args.export / arch / "hf", trained)
         gathered_results: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered_results, result.get("records"))
         result["per_rank_records"] = gathered_results
