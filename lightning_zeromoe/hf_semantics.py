@@ -27,6 +27,10 @@ class FamilyFacts:
 
     ``route_norm`` None: the config's ``norm_topk_prob`` decides. ``unsupported``: a reason AutoEP
     cannot express this family's routing at all (the block falls back without a probe).
+    ``unsupported_when``: ``(config attribute, reason)`` pairs for options of the family that AutoEP
+    cannot express; the reason applies when the config sets that attribute to a true or non-zero
+    value. ``expert_activation``: AutoEP's name for the experts' activation, where it is not plain
+    SwiGLU (a name in ``deepspeed.moe.ep_experts.EXPERT_ACTIVATIONS``).
     """
 
     score_func: str = "softmax"
@@ -34,6 +38,8 @@ class FamilyFacts:
     score_apply: str = "post"
     group_score_func: str = "top2_sum"
     unsupported: str | None = None
+    unsupported_when: tuple[tuple[str, str], ...] = ()
+    expert_activation: str | None = None
 
 
 #: Read from each family's router ``forward`` in transformers 5.22 (see the module docstring).
@@ -68,6 +74,32 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     "jetmoe": FamilyFacts(unsupported="JetMoE's experts are a mixture of attention and MLP experts "
                                       "(input_linear/output_linear), not an MLP expert block"),
     "dbrx": FamilyFacts(unsupported="DBRX stores its experts as flattened 2-D w1/v1/w2 tensors"),
+    # Jamba: softmax over all experts, top-k, never renormalised (no norm_topk_prob in the config)
+    "jamba": FamilyFacts(route_norm=False),
+    # Flint: sigmoid, top-k without a bias, renormalised per norm_topk_prob, no scale
+    "flint": FamilyFacts(score_func="sigmoid"),
+    # DeepSeek-V3's noaux_tc router (sigmoid + choice-only e_score_correction_bias, n_group/topk_group
+    # top2_sum groups, norm_topk_prob, routed_scaling_factor); shared experts ungated
+    "bailing_hybrid": FamilyFacts(score_func="sigmoid"), "kimi_linear": FamilyFacts(score_func="sigmoid"),
+    "mimo_v2_flash": FamilyFacts(score_func="sigmoid"), "solar_open": FamilyFacts(score_func="sigmoid"),
+    # HY-V4: the same router; its experts clamp gate (max) and up (+-swiglu_limit) before silu(gate) * up
+    "hy_v4": FamilyFacts(score_func="sigmoid", expert_activation="swiglu_clamped"),
+    # HY-V3: sigmoid + the block's e_score_correction_bias for the choice, always renormalised, then
+    # x config.router_scaling_factor
+    "hy_v3": FamilyFacts(score_func="sigmoid", route_norm=True),
+    # MiniMax-M2: sigmoid + the block's e_score_correction_bias for the choice, always renormalised
+    "minimax_m2": FamilyFacts(score_func="sigmoid", route_norm=True, unsupported_when=(
+        ("router_jitter_noise", "MiniMax-M2 multiplies its MoE input by random jitter noise in training "
+                                "(router_jitter_noise > 0), which AutoEP's layer does not do"),)),
+    # Laguna: sigmoid + e_score_correction_bias for the choice, always renormalised; the routed output
+    # is scaled by config.moe_routed_scaling_factor (== scaling the weights)
+    "laguna": FamilyFacts(score_func="sigmoid", route_norm=True, unsupported_when=(
+        ("moe_router_logit_softcapping", "Laguna soft-caps its router logits (tanh, "
+                                         "moe_router_logit_softcapping > 0) before the sigmoid, which "
+                                         "AutoEP's router does not do"),)),
+    "kolibri1": FamilyFacts(unsupported="Kolibri-1 adds its e_score_correction_bias to the raw router logits "
+                                        "before the top-k (AutoEP adds it to the sigmoid scores), so the "
+                                        "experts AutoEP would choose differ"),
 }
 
 _TOP_K_ATTRS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_selected_experts")
@@ -150,6 +182,10 @@ def routing_from_config(
     facts = FAMILY_FACTS.get(model_type, FamilyFacts())
     if facts.unsupported and not overrides:
         return facts.unsupported
+    for attr, reason in facts.unsupported_when:
+        value = getattr(config, attr, None)
+        if value and not overrides:
+            return f"{reason} (config.{attr}={value!r})"
     origin: list[tuple[str, str]] = []
 
     def pick(name: str, value: Any, source: str) -> Any:
@@ -179,7 +215,7 @@ def routing_from_config(
         route_norm = pick("route_norm", True, "no norm_topk_prob; Mixtral convention, to be proven")
 
     scale, scale_src = 1.0, "default"
-    for attr in ("routed_scaling_factor", "route_scale"):
+    for attr in ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor"):
         value = getattr(config, attr, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             scale, scale_src = float(value), f"config.{attr}"
@@ -209,6 +245,9 @@ def routing_from_config(
     activation = overrides.get("expert_activation")
     if activation is not None:
         origin.append(("expert_activation", f"{activation!r} (MoEPattern)"))
+    elif facts.expert_activation is not None:
+        activation = facts.expert_activation
+        origin.append(("expert_activation", f"{activation!r} ({model_type} experts code)"))
     return Routing(score_func=score_func, route_norm=bool(route_norm), route_scale=float(route_scale),
                    top_k=int(top_k), score_apply=score_apply, num_expert_groups=num_groups,
                    num_limited_groups=num_limited, group_score_func=group_score_func, shared_experts=shared,

@@ -49,6 +49,27 @@ _EXTRA: dict[str, dict[str, Any]] = {
     "llama4_text": dict(num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
                         intermediate_size_mlp=96),
     "gpt_oss": dict(layer_types=["full_attention", "full_attention"]),
+    # MLA families whose configs derive the dense/sparse layer split from `first_k_dense_replace` in
+    # __post_init__ (not a config attribute, so it is given as `mlp_layer_types`); the DSA ones also
+    # need a query LoRA (their indexer reads it) and a small indexer.
+    "axk1": dict(_MLA, q_lora_rank=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+                 n_group=2, topk_group=1),
+    "axk2": dict(_MLA, q_lora_rank=16, num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+                 index_n_heads=2, index_head_dim=16, gated_norm_rank=4),
+    "deepseek_v32": dict(_MLA, q_lora_rank=16, num_hidden_layers=3, first_k_dense_replace=1, n_group=2,
+                         topk_group=1, index_n_heads=2, index_head_dim=16),
+    "glm_moe_dsa": dict(_MLA, q_lora_rank=16, num_hidden_layers=3, first_k_dense_replace=1, index_n_heads=2,
+                        index_head_dim=16),
+    # Single shared KV head; the first layer hash-routed (a `tid2eid` table), the others top-k routed
+    # (only those record router logits, so at least one is needed for the aux loss).
+    "deepseek_v4": dict(num_hidden_layers=3, mlp_layer_types=["hash_moe", "moe", "moe"], intermediate_size=None,
+                        num_key_value_heads=1, q_lora_rank=16, o_groups=2, o_lora_rank=16, index_n_heads=2,
+                        index_head_dim=16, partial_rotary_factor=0.5, hc_mult=2, hc_sinkhorn_iters=4,
+                        layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
+    # Top-1 only; the router is an MLP over a down-projected state carried from layer to layer.
+    "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
 }
 
 
