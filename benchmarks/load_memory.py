@@ -168,11 +168,14 @@ def main() -> int:
             r = json.loads((Path(tmp.name) / f"{mode}_rank{rank}.json").read_text())
             rows.append((mode, rank, r))
         print(f"  {mode}: {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"\n| mode | rank | load peak (MiB) | x full fp32 | held after load | init peak (MiB) | load s |")
+    print(f"\n| mode | rank | load peak (MiB) | x full fp32 | held after load (anon / file-backed) | init peak (MiB) "
+          "| load s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for mode, rank, r in rows:
-        print(f"| {mode} | {rank} | {r['load_peak']:.0f} | {r['load_peak'] / full_mb:.2f} | {r['held']:.0f} | "
-              f"{r['init_peak']:.0f} | {r['load_seconds']:.1f} |")
+        anon = r["after_load"].get("RssAnon", 0) - r["before"].get("RssAnon", 0)
+        mapped = r["after_load"].get("RssFile", 0) - r["before"].get("RssFile", 0)
+        print(f"| {mode} | {rank} | {r['load_peak']:.0f} | {r['load_peak'] / full_mb:.2f} | {r['held']:.0f} "
+              f"({anon:.0f} / {mapped:.0f}) | {r['init_peak']:.0f} | {r['load_seconds']:.1f} |")
     tmp.cleanup()
     return 0
 

@@ -28,7 +28,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_zeromoe.hf_semantics import Routing, default_routing, routing_from_config, text_config
+from lightning_zeromoe.hf_semantics import (Routing, default_routing, routing_from_config, text_config,
+                                            training_only_difference)
 from lightning_zeromoe.moe_structure import BlockLayout, analyse_block, expected_num_experts, find_blocks
 
 
@@ -384,6 +385,11 @@ def _from_hf_model(root: nn.Module) -> Discovery | None:
     autoep = {"preset_model": found.preset_name}
     if found.path or found.relative != preset.moe_layer_pattern:
         autoep["moe_layer_pattern"] = _prefix(found.path) + found.relative
+    jitter = training_only_difference(text_config(found.model.config))
+    if jitter:
+        return Discovery(source=f"hf:{found.preset_name}", blocks=[], autoep=autoep, root_config=found.model.config,
+                         fallback=[FallbackBlock(b.path, jitter, b.layout.block_class if b.layout else "", b.layout)
+                                   for b in blocks])
     return Discovery(source=f"hf:{found.preset_name}", blocks=blocks, autoep=autoep,
                      root_config=found.model.config)
 

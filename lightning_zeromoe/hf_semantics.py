@@ -88,19 +88,47 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # x config.router_scaling_factor
     "hy_v3": FamilyFacts(score_func="sigmoid", route_norm=True),
     # MiniMax-M2: sigmoid + the block's e_score_correction_bias for the choice, always renormalised
-    "minimax_m2": FamilyFacts(score_func="sigmoid", route_norm=True, unsupported_when=(
-        ("router_jitter_noise", "MiniMax-M2 multiplies its MoE input by random jitter noise in training "
-                                "(router_jitter_noise > 0), which AutoEP's layer does not do"),)),
+    "minimax_m2": FamilyFacts(score_func="sigmoid", route_norm=True),
     # Laguna: sigmoid + e_score_correction_bias for the choice, always renormalised; the routed output
     # is scaled by config.moe_routed_scaling_factor (== scaling the weights)
     "laguna": FamilyFacts(score_func="sigmoid", route_norm=True, unsupported_when=(
         ("moe_router_logit_softcapping", "Laguna soft-caps its router logits (tanh, "
                                          "moe_router_logit_softcapping > 0) before the sigmoid, which "
                                          "AutoEP's router does not do"),)),
+    # DeepSeek-V3's noaux_tc router (sigmoid + choice-only gate.e_score_correction_bias, groups)
+    "axk2": FamilyFacts(score_func="sigmoid"), "deepseek_v32": FamilyFacts(score_func="sigmoid"),
+    "glm_moe_dsa": FamilyFacts(score_func="sigmoid"), "beam": FamilyFacts(score_func="sigmoid"),
+    "axk1": FamilyFacts(unsupported="A.X-K1 applies an RMSNorm (post_mlp_layernorm) to the MoE block's output, "
+                                    "which AutoEP's layer does not"),
+    "deepseek_v4": FamilyFacts(unsupported="DeepSeek-V4 scores experts with sqrt(softplus), hash-routes some "
+                                           "layers and clamps its SwiGLU, which AutoEP's router cannot express"),
+    "nemotron_h": FamilyFacts(unsupported="Nemotron-H's experts are not gated (up_proj and down_proj only, with "
+                                          "mlp_hidden_act, squared ReLU by default), unlike AutoEP's SwiGLU experts"),
+    "zaya": FamilyFacts(unsupported="ZAYA routes with an MLP over a state carried from layer to layer (and a skip "
+                                    "choice), not a linear router"),
     "kolibri1": FamilyFacts(unsupported="Kolibri-1 adds its e_score_correction_bias to the raw router logits "
                                         "before the top-k (AutoEP adds it to the sigmoid scores), so the "
                                         "experts AutoEP would choose differ"),
 }
+
+#: Config attributes of blocks that multiply their input by random noise in training only
+#: (Mixtral, MiniMax, MiniMax-M2, PhiMoE: ``hidden *= uniform(1 - j, 1 + j)`` when ``j > 0``).
+JITTER_ATTRS = ("router_jitter_noise", "input_jitter_noise")
+
+
+def training_only_difference(config: Any) -> str | None:
+    """Why AutoEP's layer would train differently although the (eval-mode) probe agrees, or None.
+
+    A block with jitter noise on, preset or not, whatever a ``MoEPattern`` says: AutoEP's layer
+    has no such step, so training would silently lose it.
+    """
+    for attr in JITTER_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return (f"the block multiplies its input by random jitter noise in training (config.{attr}={value}), "
+                    "which AutoEP's layer does not do")
+    return None
+
 
 _TOP_K_ATTRS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_selected_experts")
 
@@ -182,6 +210,9 @@ def routing_from_config(
     facts = FAMILY_FACTS.get(model_type, FamilyFacts())
     if facts.unsupported and not overrides:
         return facts.unsupported
+    jitter = training_only_difference(config)
+    if jitter:
+        return jitter
     for attr, reason in facts.unsupported_when:
         value = getattr(config, attr, None)
         if value and not overrides:

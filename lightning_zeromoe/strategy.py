@@ -424,8 +424,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 if not check.passed:
                     self._once.warn(check.message(section))
             self.discovery = found
-            config = narrowed_config(config, found)
             ep = bool(found.blocks)
+        # Also when nothing is probed (every block fell back at fit, and validate builds the
+        # evaluation engine from the full config again): AutoEP converts only the blocks that passed.
+        config = narrowed_config(config, found)
         leaves = register_fallback_leaves(module, found, ep_converts=ep) if self.zero_stage_3 else []
         if found.blocks or found.fallback:
             leaf_note = f"; {len(leaves)} registered as ZeRO-3 leaf modules" if leaves else ""

@@ -16,10 +16,18 @@ import torch
 
 VOCAB = 128
 
-#: The 27 families of issue 9 (measured on transformers 5.22).
+#: The 27 families of issue 9 (measured on transformers 5.22), then the other MoE causal-LM types
+#: transformers 5.22.2 registers (``moe_model_types()``).
 ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoeshared deepseek_v2 deepseek_v3 glm4_moe "
          "glm4_moe_lite dots1 ernie4_5_moe hunyuan_v1_moe phimoe jetmoe dbrx llama4_text flex_olmo lfm2_moe "
-         "exaone_moe afmoe cohere2_moe minimax qwen3_next qwen3_5_moe_text longcat_flash").split()
+         "exaone_moe afmoe cohere2_moe minimax qwen3_next qwen3_5_moe_text longcat_flash "
+         "aria_text axk1 axk2 bailing_hybrid beam deepseek_v32 deepseek_v4 doge flint glm_moe_dsa granitemoe_swa "
+         "granitemoehybrid hy_v3 hy_v4 inkling_text jamba kimi_linear kolibri1 laguna mellum mimo_v2_flash "
+         "minimax_m2 minimax_m3_vl_text nemotron_h qwen4_exp_text solar_open zaya").split()
+#: Families whose MoE layer is no router + 3-D experts block at all, so ``ep_size > 1`` is refused
+#: at setup with this entry id (the message says to use ``ep_size=1``), and why.
+REFUSED = {"doge": ("autoep-no-moe-layers", "its MoE layer keeps product-key experts as rows of two nn.Embedding "
+                                            "tables, not a router plus 3-D experts")}
 
 _SMALL: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -70,6 +78,11 @@ _EXTRA: dict[str, dict[str, Any]] = {
                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
     # Top-1 only; the router is an MLP over a down-projected state carried from layer to layer.
     "zaya": dict(num_experts_per_tok=1, router_hidden_size=16),
+    # Dense for its first three layers by default: one dense, then MoE (sigmoid + bias router, groups).
+    "beam": dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"]),
+    # Dense unless is_moe: then a product-key MoE whose experts are rows of two nn.Embedding tables
+    # (not router [E, H] + 3-D experts, so discovery finds no block; kept MoE so the zoo says so).
+    "doge": dict(is_moe=True, keep_window_size=64),
 }
 
 

@@ -122,6 +122,18 @@ def test_what_autoep_cannot_express_falls_back_with_a_reason(arch: str, reason: 
     assert all(getattr(root.get_submodule(p), "_z3_leaf", False) for p in leaves)
 
 
+@pytest.mark.parametrize("arch, attr", [("mixtral", "router_jitter_noise"), ("minimax", "router_jitter_noise")])
+def test_jitter_noise_in_training_falls_back_although_the_probe_would_agree(arch: str, attr: str) -> None:
+    """Jitter multiplies the block's input by noise in training only: the eval-mode probe cannot see
+    it, AutoEP's layer does not do it. A preset family (Mixtral) and a custom one both fall back."""
+    net = build(arch)
+    assert discover(_Holder(net)).blocks  # jitter off (the zoo's configs): EP
+    setattr(net.config, attr, 0.1)
+    found = discover(_Holder(net))
+    assert not found.blocks and len(found.fallback) == 2
+    assert all(f"config.{attr}=0.1" in b.reason for b in found.fallback), found.fallback
+
+
 def test_tolerance_is_dtype_aware() -> None:
     assert tolerance_for(torch.float32) < tolerance_for(torch.float16) < tolerance_for(torch.bfloat16)
 

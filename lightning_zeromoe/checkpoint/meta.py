@@ -41,7 +41,7 @@ class ExpertBlock:
     sources: dict[str, str]
     #: Part (``gate_up``/``down`` or ``gate``/``up``/``down``) -> the model's own name.
     targets: dict[str, str]
-    #: ``"model"`` (read from the model rebuilt at save time) or ``"pattern"`` (the
+    #: ``"model"`` (read from the model: by discovery, or rebuilt at save time) or ``"pattern"`` (the
     #: MoEPattern / autoep_pattern contract, gate_up_first).
     layout_source: str = "pattern"
 

@@ -196,7 +196,7 @@ def _expert_block(path: str, layer: Any, src: BlockNames, own: Any, reference: d
                            targets={"gate": f"{exp}.{src.w1}", "up": f"{exp}.{src.w3}", "down": f"{exp}.{src.w2}"})
     targets = {"gate_up": f"{exp}.{src.w1}", "down": f"{exp}.{src.w2}"}
     if given is not None:
-        layout, source = given, "caller"
+        layout, source = given, "model"  # discovery read it from the model's own tensors
     else:
         gate_up, down = (own(targets["gate_up"]), own(targets["down"]))
         found = (expert_layout(reference[gate_up], reference[down])
