@@ -111,6 +111,8 @@ def worker(args: argparse.Namespace) -> None:
             raise AssertionError("max_steps=0")
 
         def configure_optimizers(self) -> Any:
+            if args.optimizer == "sgd":  # no optimizer state: what initialize costs besides Adam's moments
+                return torch.optim.SGD(self.parameters(), lr=1e-4)
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
         def train_dataloader(self) -> Any:
@@ -129,6 +131,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dir", type=Path, default=None, help="where the model is saved (default: a temp dir)")
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="the optimizer deepspeed.initialize builds state for (default adamw)")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,7 +163,8 @@ def main() -> int:
     rows = []
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--dir", str(model_dir), "--out", tmp.name],
+        proc = subprocess.run([sys.executable, __file__, "--mode", mode, "--dir", str(model_dir), "--out", tmp.name,
+                               "--optimizer", args.optimizer],
                               env=env, capture_output=True, text=True)
         if proc.returncode:
             print(f"{mode}: failed ({proc.returncode})\n{proc.stderr[-3000:]}")

@@ -219,7 +219,11 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         group = {k: state_dict[k] for k in keys}
         if weight_mapping:
             group = _apply_weight_conversions_to_state_dict(model, group, weight_mapping)
-        for key, tensor in group.items():
+            for k in keys:  # consumed by a conversion (fused into a new tensor): its file pages are done
+                if k not in group:
+                    release_pages(state_dict[k])
+        while group:  # popped, so each converted tensor is freed as soon as its slice is copied
+            key, tensor = group.popitem()
             if prefix and key not in targets and f"{prefix}.{key}" in targets:
                 key = f"{prefix}.{key}"
             target = targets.get(key)
@@ -237,7 +241,8 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 with torch.no_grad():
                     tensor_.copy_(tensor)
                 tensor_._is_hf_initialized = True
-                release_pages(tensor)
+            release_pages(tensor)
+            del tensor
         for k in keys:
             release_pages(state_dict[k])
         del group
