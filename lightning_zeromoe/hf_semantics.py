@@ -82,6 +82,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # top2_sum groups, norm_topk_prob, routed_scaling_factor); shared experts ungated
     "bailing_hybrid": FamilyFacts(score_func="sigmoid"), "kimi_linear": FamilyFacts(score_func="sigmoid"),
     "mimo_v2_flash": FamilyFacts(score_func="sigmoid"), "solar_open": FamilyFacts(score_func="sigmoid"),
+    "axk2": FamilyFacts(score_func="sigmoid"), "deepseek_v32": FamilyFacts(score_func="sigmoid"),
+    "glm_moe_dsa": FamilyFacts(score_func="sigmoid"), "beam": FamilyFacts(score_func="sigmoid"),
     # HY-V4: the same router; its experts clamp gate (max) and up (+-swiglu_limit) before silu(gate) * up
     "hy_v4": FamilyFacts(score_func="sigmoid", expert_activation="swiglu_clamped"),
     # HY-V3: sigmoid + the block's e_score_correction_bias for the choice, always renormalised, then
@@ -95,9 +97,6 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         ("moe_router_logit_softcapping", "Laguna soft-caps its router logits (tanh, "
                                          "moe_router_logit_softcapping > 0) before the sigmoid, which "
                                          "AutoEP's router does not do"),)),
-    # DeepSeek-V3's noaux_tc router (sigmoid + choice-only gate.e_score_correction_bias, groups)
-    "axk2": FamilyFacts(score_func="sigmoid"), "deepseek_v32": FamilyFacts(score_func="sigmoid"),
-    "glm_moe_dsa": FamilyFacts(score_func="sigmoid"), "beam": FamilyFacts(score_func="sigmoid"),
     "axk1": FamilyFacts(unsupported="A.X-K1 applies an RMSNorm (post_mlp_layernorm) to the MoE block's output, "
                                     "which AutoEP's layer does not"),
     "deepseek_v4": FamilyFacts(unsupported="DeepSeek-V4 scores experts with sqrt(softplus), hash-routes some "
