@@ -81,6 +81,13 @@ def names_of_block(layout: Any, section: BlockNames) -> BlockNames:
                       score_bias=layout.score_bias or "")
 
 
+def names_for(path: str, section: BlockNames, layouts: Mapping[str, Any] | None) -> BlockNames:
+    """The block at ``path``'s own names: from its ``BlockLayout`` when the caller has one (see
+    :func:`names_of_block`), else the AutoEP section's."""
+    layout = (layouts or {}).get(path)
+    return names_of_block(layout, section) if layout is not None else section
+
+
 def own_name(autoep_local: str, names: BlockNames) -> str | None:
     """``router.gate.weight`` -> ``gate.weight`` (dense tensors of an AutoEP layer; experts excluded)."""
     if autoep_local.startswith("router.gate."):

@@ -17,12 +17,16 @@ from typing import Any, Mapping
 import torch
 
 from lightning_zeromoe.autoep_names import (EXPERT_WEIGHTS as _EXPERT_WEIGHTS, ResumeShapeError, autoep_layers,
-                                            block_names, local_experts, own_name, split_experts)
+                                            block_names, local_experts, names_for, own_name, split_experts)
 
 
 def to_autoep_state_dict(state_dict: Mapping[str, torch.Tensor], module: torch.nn.Module,
-                         ep_section: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                         ep_section: Mapping[str, Any],
+                         layouts: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """A full state dict -> the tensors this rank's (AutoEP-converted) module holds.
+
+    ``layouts``: discovery's ``BlockLayout`` per block path, for the block's own names where the
+    AutoEP section only has aliases (a nested router, AFMoE's ``expert_bias``).
 
     Accepted for each AutoEP layer: the model's own names (``<block>.gate.weight``,
     ``<block>.experts.gate_up_proj`` with all experts: a plain single-process checkpoint) or
@@ -33,8 +37,9 @@ def to_autoep_state_dict(state_dict: Mapping[str, torch.Tensor], module: torch.n
     layers = autoep_layers(module)
     if not layers:
         return out
-    names = block_names(ep_section)
+    section = block_names(ep_section)
     for path, layer in layers.items():
+        names = names_for(path, section, layouts)
         ids = local_experts(layer)
         for local_name, _ in layer.named_parameters(remove_duplicate=True):
             if local_name.startswith("experts."):

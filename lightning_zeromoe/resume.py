@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from lightning_zeromoe.autoep_names import (ENTRY_ID, EXPERT_WEIGHTS as _EXPERT_WEIGHTS, BlockNames, ResumeShapeError,
-                                            block_names, fuse_experts, own_name, split_experts)
+                                            block_names, fuse_experts, names_for, own_name, split_experts)
 
 SUFFIX = ".universal"
 MARKER = "zeromoe_universal.json"
@@ -169,7 +169,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
                      target_ep_section: Mapping[str, Any] | None = None,
-                     log: Callable[[str], None] = print) -> tuple[Path, bool]:
+                     log: Callable[[str], None] = print,
+                     layouts: Mapping[str, Any] | None = None) -> tuple[Path, bool]:
     """Convert ``saved`` with ``ds_to_universal`` unless an up-to-date conversion exists, and make
     sure it holds every parameter of ``target_params`` (see :func:`add_target_names`).
 
@@ -183,7 +184,7 @@ def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[i
         with _locked(lock):
             marker = out / MARKER
             if marker.is_file() and json.loads(marker.read_text()).get("source") == _fingerprint(saved):
-                add_target_names(out, saved, target_params, target_ep_section)
+                add_target_names(out, saved, target_params, target_ep_section, layouts)
                 return out, False
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
             try:
@@ -191,7 +192,7 @@ def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[i
                 _run_ds_to_universal(saved.tag_dir, tmp / saved.tag)
                 (tmp / MARKER).write_text(json.dumps({"source": _fingerprint(saved), "tag": saved.tag,
                                                       "saved_shape": str(saved.shape)}))
-                add_target_names(tmp, saved, target_params, target_ep_section)
+                add_target_names(tmp, saved, target_params, target_ep_section, layouts)
                 if out.exists():
                     shutil.rmtree(out)
                 os.replace(tmp, out)
@@ -223,26 +224,29 @@ def _run_ds_to_universal(input_folder: Path, output_folder: Path) -> None:
 
 
 def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
-                     target_ep_section: Mapping[str, Any] | None = None) -> list[str]:
+                     target_ep_section: Mapping[str, Any] | None = None,
+                     layouts: Mapping[str, Any] | None = None) -> list[str]:
     """Make every parameter the target engine will look up exist in the universal checkpoint.
 
     ``target_params``: the trainable parameters of the engine's module, name -> shape as DeepSpeed
     records it (``ds_shape``). With expert parallelism on both sides the names already match.
     From AutoEP to none, the AutoEP tensors are written again under the model's own names; from
     none to AutoEP (``target_ep_section`` names the blocks' tensors), the other way round.
-    Idempotent. Returns the names written. Raises listing what is still missing.
+    ``layouts`` (discovery's ``BlockLayout`` per block path) give each block's own names where the
+    sections have aliases (a nested router such as HunYuan's ``gate.wg``). Idempotent. Returns the
+    names written. Raises listing what is still missing.
     """
     zero = uc_dir / saved.tag / "zero"
     written = []
     target_blocks = sorted({n[:-len(".experts.w1")] for n in target_params if n.endswith(".experts.w1")})
     if saved.experts and not target_blocks:
-        names = block_names(saved.ep_section)
+        section = block_names(saved.ep_section)
         for block in saved.experts:
-            written += _write_own_names(zero, block, names, target_params)
+            written += _write_own_names(zero, block, names_for(block, section, layouts), target_params)
     elif target_blocks and not saved.experts:
-        names = block_names(target_ep_section or {})
+        section = block_names(target_ep_section or {})
         for block in target_blocks:
-            written += _write_autoep_names(zero, block, names, target_params)
+            written += _write_autoep_names(zero, block, names_for(block, section, layouts), target_params)
     missing = sorted(n for n in target_params if not (zero / n / "fp32.pt").is_file())
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")

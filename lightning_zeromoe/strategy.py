@@ -479,6 +479,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if self.is_global_zero:
             self._write_export_meta(filepath)
 
+    def _block_layouts(self) -> dict[str, Any]:
+        """Discovery's ``BlockLayout`` of every block it keeps for EP, by path: the model's own names."""
+        blocks = self.discovery.blocks if self.discovery is not None else []
+        return {b.path: b.layout for b in blocks if b.layout is not None}
+
     def _write_export_meta(self, filepath: Any) -> None:
         """Record, while the model is in memory, how AutoEP's names map back to the model's own.
 
@@ -488,9 +493,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.checkpoint import META_FILE, build_meta, write_meta
 
         try:
-            found = self.discovery.blocks if self.discovery is not None else []
             meta = build_meta(self.lightning_module, self.config, world_size=self.world_size,
-                              blocks={b.path: b.layout for b in found if b.layout is not None})
+                              blocks=self._block_layouts())
             write_meta(meta, filepath)
         except Exception as err:  # noqa: BLE001 - the DeepSpeed checkpoint is already safe on disk
             rank_zero_warn(f"ZeroMoEStrategy: could not write {META_FILE} into {filepath} ({type(err).__name__}: "
@@ -533,7 +537,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
                              for name, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad}
                 outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, self.config.get("expert_parallel"),
-                                                                 log=rank_zero_info)
+                                                                 log=rank_zero_info, layouts=self._block_layouts())
             except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
                 failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
         outcome = self.broadcast(outcome)  # the other ranks wait here for the conversion
@@ -548,8 +552,17 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 load_module_strict=self.lightning_module.strict_loading)
         if fitting:
             resume.repair_optimizer_after_universal_load(self.deepspeed_engine, outcome[0], saved.tag)
+        from lightning_zeromoe.frozen_state import restore_frozen
+
+        frozen, unfound = restore_frozen(self.deepspeed_engine.module, saved, self.config.get("expert_parallel"),
+                                         self._block_layouts())
+        if unfound:
+            rank_zero_warn(f"ZeroMoEStrategy: the checkpoint holds no value for {len(unfound)} frozen parameter(s) "
+                           f"({', '.join(unfound[:4])}{' ...' if len(unfound) > 4 else ''}); they keep the values "
+                           "the model was built with.")
         rank_zero_info(f"ZeroMoEStrategy: resumed {saved.path} ({saved.shape}) on {target} through DeepSpeed's "
-                       f"universal checkpoint {outcome[0]} ({'converted' if outcome[1] else 'reused'}, "
+                       f"universal checkpoint {outcome[0]} ({'converted' if outcome[1] else 'reused'}"
+                       f"{f', {len(frozen)} frozen parameter(s) restored' if frozen else ''}, "
                        f"{time.monotonic() - start:.1f} s)")
         return client_state
 
@@ -569,7 +582,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         self.model_to_device()
         state = to_autoep_state_dict(checkpoint["state_dict"], self.lightning_module,
-                                     self.config.get("expert_parallel", {}))
+                                     self.config.get("expert_parallel", {}), self._block_layouts())
         load_gathered(self.lightning_module, state, strict=strict)
 
 

@@ -117,7 +117,8 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.rsplit(".", 1)[-1] in ROUTING_TENSOR_NAMES and tensor.is_floating_point():
-                tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+                gen = torch.Generator().manual_seed(len(name) + 1000 * seed)
+                tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
     return model.float()
 
 

@@ -9,8 +9,9 @@ kept for EP, and every other MoE block is a ZeRO-3 leaf module; every family's t
 saved with ``trainer.save_checkpoint`` and exported with ``zeromoe-export``'s function, loads
 with ``AutoModelForCausalLM.from_pretrained`` with no missing, unexpected or mismatched key and
 gives the logits ``trainer.validate`` computed after fit (so validate after fit runs for every
-family too). The tiny models carry non-zero routing biases, as pretrained ones
-do. In the same launch, a second, short pass skews
+family too). Four families (``RESUMED``) are also resumed from that checkpoint in a new
+Trainer with ``ep_size=1`` and other initial weights, and continue the plain run. The tiny models
+carry non-zero routing biases, as pretrained ones do. In the same launch, a second, short pass skews
 the routers per rank (rank 0's tokens to the first experts, rank 1's to the last) under ep_size=1
 and under the fallback, and must finish.
 
@@ -45,6 +46,11 @@ REL_TOL = 1e-4
 #: largest logit: measured worst 3e-7 (fp32, same weights; only the kernels differ).
 LOGIT_TOL = 1e-5
 TIMEOUT_S = 900
+#: Resumed from their ep_size=2 checkpoint without expert parallelism (ds_to_universal, AutoEP
+#: names back to the model's own): a nested router (HunYuan's gate.wg), a frozen routing bias
+#: (AFMoE's expert_bias, which the universal checkpoint drops), a buffer bias with shared experts
+#: (DeepSeek-V3), a gated shared expert (Qwen2-MoE).
+RESUMED = ("hunyuan_v1_moe", "afmoe", "deepseek_v3", "qwen2_moe")
 
 
 def _free_port() -> int:
@@ -67,7 +73,8 @@ def _launch(out: Path, *args: str) -> dict[str, Any]:
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch: every family at parity and exported, then the uneven-routing runs."""
     out = tmp_path_factory.mktemp("zoo")
-    return _launch(out, "--uneven", "olmoe:1", "gpt_oss:2", "--export", str(out / "export"))
+    return _launch(out, "--uneven", "olmoe:1", "gpt_oss:2", "--export", str(out / "export"),
+                   "--resume", *(f"{arch}:1" for arch in RESUMED))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +127,19 @@ def test_every_family_trains_at_parity(zoo: dict[str, Any]) -> None:
                 if want["aux"] is not None:
                     assert _rel(got["aux"], want["aux"]) <= REL_TOL, f"{where}: aux {got['aux']} vs {want['aux']}"
     print(f"worst relative per-step loss gap over {len(zoo)} families: {worst:.2e}")
+
+
+def test_resume_without_expert_parallelism_continues_the_plain_run(zoo: dict[str, Any]) -> None:
+    """A new Trainer, other initial weights, ep_size=1, ``fit(ckpt_path=...)`` of the ep_size=2
+    checkpoint: both resumed steps equal the plain run continued on the same batches (the second
+    one also proves the optimizer state came back)."""
+    for arch in RESUMED:
+        result = zoo[arch]
+        for rank in (0, 1):
+            got, want = result["per_rank_resumed"][rank], result["reference"][rank][2:]
+            assert got and len(got) == len(want) == 2, f"{arch} rank {rank}: resumed {got}, plain {want}"
+            for step, (g, w) in enumerate(zip(got, want), start=3):
+                assert _rel(g["loss"], w["loss"]) <= REL_TOL, f"{arch} rank {rank} step {step}: {g} vs plain {w}"
 
 
 def trained(zoo: dict[str, Any]) -> dict[str, Any]:

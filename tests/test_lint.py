@@ -341,3 +341,11 @@ def test_public_configs_facts():
     for name in ("hf_ds_config_zero2.json", "llamafactory_ds_z3_config.json", "axolotl_zero3_bf16.json"):
         raw = lint.lint_path(PUBLIC / name, consumer="deepspeed")
         assert _by(raw, "hf-auto-value", "error") and _by(raw, "hf-auto-value", "error")[0].line
+
+
+def test_non_string_keys_are_reported_not_a_crash():
+    """A Python dict or YAML file can carry integer keys; DeepSpeed knows none of them."""
+    top = lint.lint_config({1: 2, "train_batch_size": 8})
+    nested = lint.lint_config({"zero_optimization": {3: "x", "stage": 3}})
+    assert [(f.rule, f.path) for f in top] == [("unknown-config-key", "1")]
+    assert [(f.rule, f.path) for f in nested] == [("unknown-config-key", "zero_optimization.3")]

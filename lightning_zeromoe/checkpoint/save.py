@@ -18,7 +18,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from lightning_zeromoe.autoep_names import BlockNames, block_names, names_of_block, own_name
+from lightning_zeromoe.autoep_names import BlockNames, block_names, names_for, own_name
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
 
 __all__ = ["META_FILE", "build_meta", "write_meta", "expert_layout"]
@@ -41,7 +41,7 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
         prefix, root = prefix + lora[0].peft_prefix, root.base_model.model
     layers = {name: m for name, m in module.named_modules() if getattr(type(m), "_is_autoep_layer", False)}
     section = block_names(ep_section) if layers else BlockNames()
-    names = {path: names_of_block(blocks[path], section) if blocks and path in blocks else section for path in layers}
+    names = {path: names_for(path, section, blocks) for path in layers}
     reference = _reference_shapes(root)
 
     def own(name: str) -> str | None:

@@ -18,7 +18,7 @@ JSON and writes the coverage table.
 Usage::
 
     torchrun --nproc_per_node 2 tests/jobs/hf_zoo_parity.py --out /tmp/zoo [--archs mixtral olmoe:1]
-        [--uneven olmoe:1 gpt_oss:2] [--export /tmp/zoo_export]
+        [--uneven olmoe:1 gpt_oss:2] [--export /tmp/zoo_export [--resume hunyuan_v1_moe:1]]
 """
 
 from __future__ import annotations
@@ -159,7 +159,12 @@ def export_round_trip(ckpt: Path, out_dir: Path, want: torch.Tensor) -> dict[str
             "files": sorted(p.name for p in out_dir.iterdir())}
 
 
-def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False, ckpt: Path | None = None) -> dict[str, Any]:
+#: Steps trained after resuming: the second one's loss depends on the restored optimizer state.
+RESUMED_STEPS = 2
+
+
+def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False, ckpt: Path | None = None,
+             resume_ep: int | None = None) -> dict[str, Any]:
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
     t0 = time.perf_counter()
@@ -173,6 +178,18 @@ def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False, ckpt: Pa
     if ckpt is not None:
         trainer.save_checkpoint(ckpt)
         trainer.validate(module, dataloaders=module.train_dataloader(), verbose=False)
+    resumed_records = None
+    if ckpt is not None and resume_ep is not None:
+        # A new job on another shape: other initial weights (the checkpoint must bring them all,
+        # frozen routing biases included), ep_size changed, RESUMED_STEPS more steps.
+        resumed = ZooModule(build(arch, seed=1))
+        again = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), max_steps=steps + RESUMED_STEPS,
+                          strategy=ZeroMoEStrategy(ep_size=resume_ep, param_persistence_threshold=0,
+                                                   timeout=timedelta(seconds=120)),
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        again.fit(resumed, ckpt_path=ckpt)
+        resumed_records = resumed.records
     found = strategy.discovery
     converted = sorted(n for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer))
     return {
@@ -183,7 +200,8 @@ def run_arch(arch: str, ep_size: int, steps: int, uneven: bool = False, ckpt: Pa
         "converted": converted, "summary": found.summary() if found else "",
         "leaf_blocks": sorted(n for n, m in module.named_modules() if getattr(m, "_z3_leaf", False)),
         "seconds": round(time.perf_counter() - t0, 2), "ep_size": ep_size, "skewed_routers": skewed,
-        "eval_logits": getattr(module, "eval_logits", None),
+        "eval_logits": getattr(module, "eval_logits", None), "resumed_records": resumed_records,
+        "resume_ep": resume_ep,
     }
 
 
@@ -197,25 +215,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--export", type=Path, default=None,
                         help="save, export and reload every family's trained model under this directory")
+    parser.add_argument("--resume", nargs="*", default=[],
+                        help="'arch:ep' (needs --export): resume the saved checkpoint with this ep_size for "
+                             f"{RESUMED_STEPS} more steps, compared with the plain run continued")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank = dist.get_rank()
     results: dict[str, Any] = {}
+    resumes = {a: int(e) for a, _, e in (r.partition(":") for r in args.resume)}
     for spec in [*args.archs, *(f"uneven:{u}" for u in args.uneven)]:
         uneven = spec.startswith("uneven:")
         arch, _, ep = spec.removeprefix("uneven:").partition(":")
         key = f"uneven:{arch}" if uneven else arch
         ckpt = None if uneven or args.export is None else args.export / arch / "checkpoint"
+        resume_ep = None if uneven else resumes.get(arch)
         try:
-            result = run_arch(arch, int(ep or args.ep_size), args.steps, uneven, ckpt)
+            result = run_arch(arch, int(ep or args.ep_size), args.steps, uneven, ckpt, resume_ep)
         except Exception as exc:  # noqa: BLE001 - one family failing must not hide the others
             result = {"arch": arch, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [r["indices"] for r in result.get("records", [])])
+        resumed: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(resumed, result.get("resumed_records"))
+        result["per_rank_resumed"] = resumed
         if rank == 0 and "error" not in result and all(gathered) and not uneven:
             result["per_rank_indices"] = gathered
-            result["reference"] = reference(arch, gathered)
+            # the plain run continued over the batches the resumed job received
+            more = [[r["indices"] for r in rank_records or []] for rank_records in resumed]
+            result["reference"] = reference(arch, [a + b for a, b in zip(gathered, more)])
             if ckpt is not None:
                 result["export"] = export_round_trip(ckpt, args.export / arch / "hf", result["eval_logits"])
         result.pop("eval_logits", None)  # a tensor: not for the JSON

@@ -109,6 +109,7 @@ def unknown_keys(ctx: Context, schema, schema_error: str | None) -> None:
 
 
 def _check_key(ctx: Context, schema, path: str, value: Any, allowed, *, strict: bool) -> None:
+    path = str(path)  # a Python dict or YAML file may hold non-string keys; DeepSpeed knows none of them
     key = path.rsplit(".", 1)[-1]
     version = schema.deepspeed_version
     if path in schema.removed:
