@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -284,7 +285,10 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
     """
     router_aliases(root, found, install=True)
     bias_aliases(root, found, install=True)
-    checks = [check_block(root, block, found, **probe) for block in found.blocks]
+    checks = []
+    for block in found.blocks:
+        checks.append(check_block(root, block, found, **probe))
+        gc.collect()  # the probe layer (a whole block's experts) sits in reference cycles: free it now
     passed = _agree_over_ranks([c.passed for c in checks])
     checks = [c if ok == c.passed else BlockCheck(c.path, False, c.output_error, c.logits_error, c.tolerance,
                                                     "it failed the probe on another rank") for c, ok in zip(checks, passed)]
