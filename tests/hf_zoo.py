@@ -57,6 +57,11 @@ _EXTRA: dict[str, dict[str, Any]] = {
     "llama4_text": dict(num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
                         intermediate_size_mlp=96),
     "gpt_oss": dict(layer_types=["full_attention", "full_attention"]),
+    # Mamba-2 / KDA linear-attention layers at tiny sizes (the defaults made these two families take
+    # 16 s and 12 s of the zoo's ~100 s of training).
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=8),
+    "kimi_linear": dict(linear_num_heads=2, linear_head_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16),
     # MLA families whose configs derive the dense/sparse layer split from `first_k_dense_replace` in
     # __post_init__ (not a config attribute, so it is given as `mlp_layer_types`); the DSA ones also
     # need a query LoRA (their indexer reads it) and a small indexer.
