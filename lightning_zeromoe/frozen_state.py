@@ -30,9 +30,8 @@ def saved_frozen(saved: "SavedCheckpoint") -> dict[str, torch.Tensor]:
     """Every frozen parameter of a ZeRO-3 checkpoint, full, by DeepSpeed name (empty for stage 1/2,
     whose model states hold the frozen tensors whole and load them themselves)."""
     files = [f for f in saved.tag_dir.glob("*_model_states.pt") if not f.name.startswith(("layer_", "expert_"))]
-    rank_of = lambda f: int(re.search(r"zero_pp_rank_(\d+)", f.name).group(1)) if "zero_pp_rank_" in f.name else 0  # noqa: E731
     # DeepSpeed's model states pickle its own config objects; it loads them the same way on resume.
-    states = [torch.load(f, map_location="cpu", weights_only=False) for f in sorted(files, key=rank_of)]
+    states = [torch.load(f, map_location="cpu", weights_only=False) for f in sorted(files, key=_data_parallel_rank)]
     shapes = (states[0].get("frozen_param_shapes") or {}) if states else {}
     out = {}
     for name, shape in shapes.items():
@@ -42,6 +41,12 @@ def saved_frozen(saved: "SavedCheckpoint") -> dict[str, torch.Tensor]:
         flat = torch.cat([f.reshape(-1) for f in fragments])
         out[name] = flat[: math.prod(shape)].reshape(tuple(shape))
     return out
+
+
+def _data_parallel_rank(path: Any) -> int:
+    """The rank in ``zero_pp_rank_<R>_mp_rank_00_model_states.pt``: fragments concatenate in that order."""
+    match = re.search(r"zero_pp_rank_(\d+)", path.name)
+    return int(match.group(1)) if match else 0
 
 
 def _own(name: str, blocks: Mapping[str, BlockNames]) -> str:
