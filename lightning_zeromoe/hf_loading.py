@@ -23,10 +23,9 @@ Inside a LightningModule's ``configure_model``, under ``ZeroMoEStrategy`` at sta
 
 While :func:`transformers_zero3` is active that last step is replaced by
 :func:`load_into_partitions`: each rank copies only *its own* slice of each tensor from the mapped
-file into ``param.ds_tensor`` (its partition), with no gather and no collective, and then tells the
-kernel it is done with those file pages (``madvise(MADV_DONTNEED)``: pages of a file mapping are
-dropped and re-read if touched again; only for read-only file mappings, so never a change of data). Peak memory per rank is its
-partition plus one tensor's slice. Transformers' own key handling is kept: its weight conversions
+file into ``param.ds_tensor`` (its partition), with no gather and no collective, and gives the file
+pages it read back to the kernel (:mod:`lightning_zeromoe.memory_release`). Peak memory per rank is
+its partitions plus one layer's weight conversion. Transformers' own key handling is kept: its weight conversions
 (``load_config.weight_mapping``, e.g. legacy per-expert Mixtral checkpoints fused into
 ``gate_up_proj``) and ``base_model_prefix`` renaming run first. The original loader is used instead
 for NVMe parameter offload (partitions live on disk).
@@ -39,15 +38,15 @@ an upgrade removes one.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.abc
-import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
+
+from lightning_zeromoe.memory_release import FilePages, trim_heap
 
 #: Private names this module relies on, by owner (checked by tests/test_hf_loading.py).
 PRIVATE_NAMES = {
@@ -58,9 +57,6 @@ PRIVATE_NAMES = {
     "deepspeed.runtime.zero.partition_parameters": ("ZeroParamStatus", "shutdown_init_context",
                                                     "restore_init_context"),
 }
-
-_MADV_DONTNEED = 4  # Linux
-
 
 class _Zero3Flag:
     """What transformers asks of the object behind its DeepSpeed weakref: ``is_zero3()`` and ``config``.
@@ -215,13 +211,15 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     prefix = getattr(model, "base_model_prefix", None)
     missing = set(model_keys)
     errors: list[str] = []
+    pages = FilePages()
+    pages.release_mappings(state_dict.values())  # what handing the tensors out touched (memory_release)
     for keys in layer_groups(state_dict.keys()):
         group = {k: state_dict[k] for k in keys}
         if weight_mapping:
             group = _apply_weight_conversions_to_state_dict(model, group, weight_mapping)
             for k in keys:  # consumed by a conversion (fused into a new tensor): its file pages are done
                 if k not in group:
-                    release_pages(state_dict[k])
+                    pages.release(state_dict[k])
         while group:  # popped, so each converted tensor is freed as soon as its slice is copied
             key, tensor = group.popitem()
             if prefix and key not in targets and f"{prefix}.{key}" in targets:
@@ -241,12 +239,12 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 with torch.no_grad():
                     tensor_.copy_(tensor)
                 tensor_._is_hf_initialized = True
-            release_pages(tensor)
+            pages.release(tensor)
             del tensor
         for k in keys:
-            release_pages(state_dict[k])
+            pages.release(state_dict[k])
         del group
-        _trim_heap()
+        trim_heap()
     return errors, missing
 
 
@@ -292,74 +290,7 @@ def copy_into_partition(param: torch.Tensor, source: torch.Tensor, key: str = ""
                 part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
             if param.ds_status == ZeroParamStatus.AVAILABLE:  # gathered right now: the full view too
                 param.data.copy_(source)
-    release_pages(source)
     return None
 
 
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the pages behind ``tensor`` from this process if it lives in a private mapping of a file.
-
-    For a memory-mapped checkpoint (safetensors 0.8 maps each file privately, ``rw-p``) this takes
-    the file pages just read out of the process's resident set with ``madvise(MADV_DONTNEED)``;
-    touching them again re-reads them from the page cache or the file. Only pages this process
-    wrote to would be lost (a private mapping's copy-on-write pages), and nothing writes to the
-    tensors transformers has just mapped: the loader only reads them. (``MADV_PAGEOUT`` would not
-    do: it skips pages another rank maps too.) Anonymous memory and shared mappings are left alone;
-    so is everything where ``/proc/self/maps`` or ``madvise`` is unavailable.
-    """
-    if tensor.device.type != "cpu" or tensor.numel() == 0:
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    mapping = _private_file_mapping(start, end)
-    if mapping is None:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    lo, hi = max(mapping[0], -(-start // page) * page), min(mapping[1], end // page * page)
-    if hi > lo:
-        _libc().madvise(lo, hi - lo, _MADV_DONTNEED)
-
-
-def _private_file_mapping(start: int, end: int) -> tuple[int, int] | None:
-    """The ``(start, end)`` of the private mapping of a regular file that holds ``[start, end)``."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                lo, _, hi = fields[0].partition("-")
-                lo_i, hi_i = int(lo, 16), int(hi, 16)
-                if lo_i <= start and end <= hi_i:
-                    path = fields[5].strip() if len(fields) > 5 else ""
-                    if not fields[1].endswith("p") or not path.startswith("/") or not os.path.isfile(path):
-                        return None
-                    return lo_i, hi_i
-    except OSError:
-        return None
-    return None
-
-
-def _trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc ``malloc_trim``) after each layer.
-
-    A converted layer's fused expert tensors (tens of MB) are freed right after loading, but glibc
-    serves blocks of that size from its heap once its mmap threshold has adapted to them, and keeps
-    the freed memory: without this, the resident set grows by one layer's conversion per layer.
-    """
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-_LIBC: Any = None
-
-
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC.madvise.restype = ctypes.c_int
-    return _LIBC
-
-
-__all__ = ["PRIVATE_NAMES", "copy_into_partition", "load_into_partitions", "release_pages", "transformers_zero3"]
+__all__ = ["PRIVATE_NAMES", "copy_into_partition", "load_into_partitions", "transformers_zero3"]

@@ -237,11 +237,15 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         :func:`lightning_zeromoe.hf_loading.transformers_zero3` makes ``from_pretrained`` build the
         model partitioned (not on the meta device) and copy each rank's slice of the checkpoint
         straight into its partition: no rank ever holds the whole model. AutoEP converts the MoE
-        blocks later, inside ``deepspeed.initialize``.
+        blocks later, inside ``deepspeed.initialize``. The heap is trimmed after each partitioned
+        module (:func:`lightning_zeromoe.memory_release.trim_after_each_partition`).
         """
         from lightning_zeromoe.hf_loading import transformers_zero3
+        from lightning_zeromoe.memory_release import trim_after_each_partition
 
-        with super().model_sharded_context(), transformers_zero3(self.config if self.zero_stage_3 else None):
+        stage_3 = self.zero_stage_3
+        with super().model_sharded_context(), trim_after_each_partition(stage_3), \
+                transformers_zero3(self.config if stage_3 else None):
             yield
 
     @override

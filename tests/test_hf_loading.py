@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
 
-from lightning_zeromoe import hf_loading
+from lightning_zeromoe import hf_loading, memory_release
 
 
 def test_every_private_name_it_relies_on_still_exists():
@@ -35,23 +36,87 @@ def test_copy_into_partition_copies_whole_tensors_without_zero_and_reports_shape
     assert error is not None and "size mismatch for w" in error and "(4, 3)" in error
 
 
-def test_release_pages_never_changes_data(tmp_path):
-    """Anonymous memory is left alone; a memory-mapped checkpoint tensor reads the same afterwards."""
+def _mapped_tensors(tmp_path, tensors):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    save_file(tensors, tmp_path / "x.safetensors")
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _resident_bytes(tensor):
+    """Bytes of ``tensor``'s pages present in this process (``/proc/self/pagemap`` bit 63)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = tensor.data_ptr() // page
+    hi = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page)
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(lo * 8)
+        entries = torch.frombuffer(bytearray(f.read((hi - lo) * 8)), dtype=torch.int64)
+    return int((entries < 0).sum()) * page
+
+
+def test_release_pages_never_changes_data(tmp_path):
+    """Anonymous memory is left alone; a memory-mapped checkpoint tensor reads the same afterwards."""
     anon = torch.randn(1_000_000)
     copy = anon.clone()
-    hf_loading.release_pages(anon)
+    mapped = _mapped_tensors(tmp_path, {"a": copy})["a"]
+    pages = memory_release.FilePages()
+    pages.release(anon)
     assert torch.equal(anon, copy)
-    save_file({"a": copy}, tmp_path / "x.safetensors")
-    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
-        mapped = f.get_tensor("a")
-    assert hf_loading._private_file_mapping(mapped.data_ptr(), mapped.data_ptr() + 4) is not None, \
+    assert pages.mapping_of(mapped) is not None, \
         "safetensors no longer memory-maps tensors: the loader's page release does nothing"
     first = mapped.sum().item()
-    hf_loading.release_pages(mapped)
+    assert _resident_bytes(mapped) > 3_000_000
+    pages.release(mapped)
+    assert _resident_bytes(mapped) <= 2 * os.sysconf("SC_PAGE_SIZE"), "more than its two partial end pages stay"
     assert mapped.sum().item() == pytest.approx(first) and torch.equal(mapped, copy)
+
+
+def test_release_mappings_drops_what_safetensors_touched_but_never_a_written_page(tmp_path):
+    """safetensors touches the first page of every tensor it hands out (and the kernel maps its
+    cached neighbours); ``release_mappings`` takes those out, unless the process wrote to the mapping."""
+    source = {f"t{i}": torch.randn(64, 1024) for i in range(8)}  # 256 KiB each
+    mapped = _mapped_tensors(tmp_path, source)
+    for t in mapped.values():
+        t.sum()
+    touched = sum(_resident_bytes(t) for t in mapped.values())
+    assert touched >= 8 * 256 * 1024 - 8 * os.sysconf("SC_PAGE_SIZE")
+    pages = memory_release.FilePages()
+    assert pages.release_mappings(mapped.values()) > 0
+    assert sum(_resident_bytes(t) for t in mapped.values()) == 0
+    assert all(torch.equal(mapped[k], source[k]) for k in source)
+
+    (tmp_path / "w").mkdir()
+    written = _mapped_tensors(tmp_path / "w", source)
+    written["t3"][0, 0] = 42.0  # a private copy of that page now holds the only 42
+    pages = memory_release.FilePages()
+    assert pages.release_mappings(written.values()) == 0
+    assert written["t3"][0, 0].item() == 42.0
+
+
+def test_trim_after_each_partition_trims_for_partitioned_modules_only(monkeypatch):
+    """The hook is active only inside the context, and fires for a module holding a ZeRO-3
+    partition (``ds_tensor``) of at least 2**18 elements: not for small or unpartitioned ones."""
+    calls = []
+    monkeypatch.setattr(memory_release, "trim_heap", lambda: calls.append(1))
+
+    def partitioned(numel):
+        module = torch.nn.Linear(1, 1)
+        module.weight.ds_tensor = torch.empty(0)
+        module.weight.ds_numel = numel
+        return module
+
+    parent = torch.nn.Module()
+    with memory_release.trim_after_each_partition():
+        parent.big = partitioned(1 << 18)
+        parent.small = partitioned(1000)
+        parent.plain = torch.nn.Linear(1024, 1024)
+    assert len(calls) == 1
+    parent.late = partitioned(1 << 20)
+    with memory_release.trim_after_each_partition(enabled=False):
+        parent.off = partitioned(1 << 20)
+    assert len(calls) == 1
 
 
 def test_transformers_zero3_is_scoped():
