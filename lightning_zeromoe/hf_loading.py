@@ -25,7 +25,7 @@ While :func:`transformers_zero3` is active that last step is replaced by
 :func:`load_into_partitions`: each rank copies only *its own* slice of each tensor from the mapped
 file into ``param.ds_tensor`` (its partition), with no gather and no collective, and gives the file
 pages it read back to the kernel (:mod:`lightning_zeromoe.memory_release`). Peak memory per rank is
-its partitions plus one layer's weight conversion. Transformers' own key handling is kept: its weight conversions
+its partitions plus one expert's weight conversion. Transformers' own key handling is kept: its weight conversions
 (``load_config.weight_mapping``, e.g. legacy per-expert Mixtral checkpoints fused into
 ``gate_up_proj``) and ``base_model_prefix`` renaming run first. The original loader is used instead
 for NVMe parameter offload (partitions live on disk).
@@ -41,16 +41,20 @@ from __future__ import annotations
 import importlib.abc
 import sys
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from lightning_zeromoe.expert_fusion import convert_row, copy_range_into_partition, load_expert_rows, split_expert_rows
 from lightning_zeromoe.memory_release import FilePages, trim_heap
 
 #: Private names this module relies on, by owner (checked by tests/test_hf_loading.py).
 PRIVATE_NAMES = {
     "transformers.modeling_utils": ("_load_state_dict_into_zero3_model",),
+    "transformers.core_model_loading": ("Concatenate", "MergeModulelist", "WeightConverter", "WeightRenaming",
+                                        "dot_natural_key", "rename_source_key"),
     "transformers.integrations.deepspeed": ("_apply_weight_conversions_to_state_dict", "_hf_deepspeed_config_weak_ref",
                                             "set_hf_deepspeed_config",
                                             "unset_hf_deepspeed_config", "is_deepspeed_zero3_enabled"),
@@ -195,6 +199,8 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     ``_apply_weight_conversions_to_state_dict`` fuses *every* layer's experts before loading any,
     which materialises all expert weights on every rank at once (measured: 2.6x the fp32 model per
     rank for a legacy-format Mixtral, the format ``save_pretrained`` writes in transformers 5.22).
+    Within a layer, fused experts are converted one expert at a time, and only the experts this
+    rank's partition holds (:mod:`lightning_zeromoe.expert_fusion`).
     """
     from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
 
@@ -213,7 +219,16 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     errors: list[str] = []
     pages = FilePages()
     pages.release_mappings(state_dict.values())  # what handing the tensors out touched (memory_release)
+    params = {name: t for name, (t, is_param) in targets.items() if is_param}
     for keys in layer_groups(state_dict.keys()):
+        if weight_mapping:  # fused experts: one expert at a time, this rank's only (expert_fusion)
+            keys, per_expert = split_expert_rows(keys, weight_mapping, params, prefix)
+            for item in per_expert:
+                if load_expert_rows(item, state_dict, partial(convert_row, item, model=model), pages.release):
+                    missing.discard(item.target)
+                    item.param._is_hf_initialized = True
+                else:
+                    keys = keys + item.keys
         group = {k: state_dict[k] for k in keys}
         if weight_mapping:
             group = _apply_weight_conversions_to_state_dict(model, group, weight_mapping)
@@ -264,32 +279,22 @@ def layer_groups(keys: Any) -> list[list[str]]:
 def copy_into_partition(param: torch.Tensor, source: torch.Tensor, key: str = "") -> str | None:
     """Copy this rank's part of ``source`` into ``param``; return an error message on a shape mismatch.
 
-    A ZeRO-3 parameter's partition (``param.ds_tensor``, ``ds_tensor.ds_numel`` elements) holds the
-    flattened elements ``[r * n, (r + 1) * n)`` of the full tensor, ``r`` being this rank's index in
-    ``param.ds_process_group``; the last partition is padded. That is DeepSpeed 0.19's layout
-    (``Init._partition_param``). Only that slice of ``source`` is read.
+    Only the slice of ``source`` that this rank's partition holds is read
+    (:func:`lightning_zeromoe.expert_fusion.partition_range`).
     """
     shape = tuple(getattr(param, "ds_shape", param.shape))
     if tuple(source.shape) != shape:
         return (f"size mismatch for {key}: copying a param with shape {tuple(source.shape)} from checkpoint, "
                 f"the shape in current model is {shape}.")
-    flat = source.reshape(-1)
-    part = getattr(param, "ds_tensor", None)
     with torch.no_grad():
-        if part is None:
+        if getattr(param, "ds_tensor", None) is None:
             param.data.copy_(source)
-        else:
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+            return None
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-            group = getattr(param, "ds_process_group", None)
-            rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
-            size = int(part.ds_numel)
-            start = rank * size
-            count = max(0, min(size, flat.numel() - start))
-            if count:
-                part.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
-            if param.ds_status == ZeroParamStatus.AVAILABLE:  # gathered right now: the full view too
-                param.data.copy_(source)
+        copy_range_into_partition(param, source.reshape(-1), 0)
+        if param.ds_status == ZeroParamStatus.AVAILABLE:  # gathered right now: the full view too
+            param.data.copy_(source)
     return None
 
 

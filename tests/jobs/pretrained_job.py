@@ -10,7 +10,9 @@ Recorded per rank, from the live objects:
 * ``load``: right after ``from_pretrained`` returned inside ``configure_model``: for every
   parameter its full element count (``ds_numel``), the elements this rank stores (its ZeRO-3
   partition, ``ds_tensor``) and the elements materialised in ``param.data`` (0 when partitioned);
-  and the largest tensor :func:`lightning_zeromoe.hf_loading.copy_into_partition` read for this rank.
+  the largest partition :func:`lightning_zeromoe.hf_loading.copy_into_partition` copied into; and how
+  many experts' rows of fused expert tensors there were and how many this rank converted
+  (:mod:`lightning_zeromoe.expert_fusion`).
 * ``steps``: per micro-batch, the sample indices this rank trained on and its loss.
 * ``audit``: how many optimizer steps the gradient audit counted, and at which micro-batch
   (``batch_idx``) it produced its report.
@@ -63,15 +65,27 @@ class PretrainedModule(L.LightningModule):
             largest[0] = max(largest[0], int(part.numel()) if part is not None else int(source.numel()))
             return original(param, source, key)
 
-        hf_loading.copy_into_partition = watched
+        rows = {"total": 0, "converted": 0}
+        original_rows = hf_loading.load_expert_rows
+
+        def watched_rows(item: Any, state_dict: Any, convert: Any, release: Any) -> bool:
+            rows["total"] += len(item.rows)
+
+            def counted(part: Any) -> Any:
+                rows["converted"] += 1
+                return convert(part)
+
+            return original_rows(item, state_dict, counted, release)
+
+        hf_loading.copy_into_partition, hf_loading.load_expert_rows = watched, watched_rows
         try:
             self.model = AutoModelForCausalLM.from_pretrained(self.path)
         finally:
-            hf_loading.copy_into_partition = original
+            hf_loading.copy_into_partition, hf_loading.load_expert_rows = original, original_rows
         params = {n: {"ds_numel": int(getattr(p, "ds_numel", p.numel())),
                       "partition": int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else None,
                       "materialised": int(p.data.numel())} for n, p in self.model.named_parameters()}
-        self.load_report = {"params": params, "largest_slice_copied": largest[0],
+        self.load_report = {"params": params, "largest_slice_copied": largest[0], "expert_rows": rows,
                             "zero3_partitioned": all(hasattr(p, "ds_id") for p in self.model.parameters())}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
