@@ -13,8 +13,8 @@ same transformers code, and only the experts whose rows overlap this rank's part
 all. A conversion with any other operation (transposes, splits, quantisation) is left to
 transformers whole, as before.
 
-Measured in ``benchmarks/load_memory.py``; equal partitions to the whole conversion are checked in
-``tests/test_hf_loading.py`` and, end to end, the first loss in ``tests/test_pretrained.py``.
+Measured in ``benchmarks/load_memory.py``. ``tests/test_expert_fusion.py`` checks the partitions equal
+transformers' whole conversion; ``tests/test_pretrained.py`` the first loss, end to end on 2 ranks.
 """
 
 from __future__ import annotations
@@ -161,4 +161,5 @@ def _partitioned(param: Any) -> bool:
             and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE)
 
 
-__all__ = ["ExpertRows", "convert_row", "copy_range_into_partition", "load_expert_rows", "partition_range", "split_expert_rows"]
+__all__ = ["ExpertRows", "convert_row", "copy_range_into_partition", "load_expert_rows", "partition_range",
+           "split_expert_rows"]

@@ -18,14 +18,10 @@ What this module adds around it:
 * :func:`ensure_universal`: one conversion per checkpoint, into a sibling directory
   (``<ckpt>.universal``; never inside the user's checkpoint, which is only read), under a file
   lock, written to a temporary directory and renamed, reused while the source is unchanged.
-* Between expert parallelism and none the parameter names differ: AutoEP calls them
-  ``<block>.router.gate.weight`` and ``<block>.experts.w1/w2/w3`` (``[E, ffn, hidden]`` gate and
-  up, ``[E, hidden, ffn]`` down); without it the model's own blocks hold ``<block>.gate.weight``
-  and e.g. a fused ``gate_up_proj``. :func:`add_target_names` writes the universal tensors (weights
-  *and* Adam moments, which are elementwise) under the names the target model uses.
-  (The mapping itself is :mod:`lightning_zeromoe.autoep_names`; ``load_full_weights=True`` uses
-  it too, in :mod:`lightning_zeromoe.full_weights`.)
+* Between expert parallelism and none the parameter names differ; the universal tensors are
+  written again under the names the target model uses (:mod:`lightning_zeromoe.universal_names`).
 * :func:`repair_optimizer_after_universal_load`: two DeepSpeed 0.19.8 slips in that load, undone.
+* :func:`load_on_new_shape`: all of it, on every rank, as ``ZeroMoEStrategy.load_checkpoint`` runs it.
 """
 
 from __future__ import annotations
@@ -37,14 +33,15 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from lightning_zeromoe.autoep_names import (ENTRY_ID, EXPERT_WEIGHTS as _EXPERT_WEIGHTS, BlockNames, ResumeShapeError,
-                                            block_names, fuse_experts, names_for, own_name, split_experts)
+from lightning_zeromoe.autoep_names import ENTRY_ID, ResumeShapeError
+from lightning_zeromoe.universal_names import add_target_names
 
 SUFFIX = ".universal"
 MARKER = "zeromoe_universal.json"
@@ -223,121 +220,6 @@ def _run_ds_to_universal(input_folder: Path, output_folder: Path) -> None:
 
 
 
-def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
-                     target_ep_section: Mapping[str, Any] | None = None,
-                     layouts: Mapping[str, Any] | None = None) -> list[str]:
-    """Make every parameter the target engine will look up exist in the universal checkpoint.
-
-    ``target_params``: the trainable parameters of the engine's module, name -> shape as DeepSpeed
-    records it (``ds_shape``). With expert parallelism on both sides the names already match.
-    From AutoEP to none, the AutoEP tensors are written again under the model's own names; from
-    none to AutoEP (``target_ep_section`` names the blocks' tensors), the other way round.
-    ``layouts`` (discovery's ``BlockLayout`` per block path) give each block's own names where the
-    sections have aliases (a nested router such as HunYuan's ``gate.wg``). Idempotent. Returns the
-    names written. Raises listing what is still missing.
-    """
-    zero = uc_dir / saved.tag / "zero"
-    written = []
-    target_blocks = sorted({n[:-len(".experts.w1")] for n in target_params if n.endswith(".experts.w1")})
-    if saved.experts and not target_blocks:
-        section = block_names(saved.ep_section)
-        for block in saved.experts:
-            written += _write_own_names(zero, block, names_for(block, section, layouts), target_params)
-    elif target_blocks and not saved.experts:
-        section = block_names(target_ep_section or {})
-        for block in target_blocks:
-            written += _write_autoep_names(zero, block, names_for(block, section, layouts), target_params)
-    missing = sorted(n for n in target_params if not (zero / n / "fp32.pt").is_file())
-    if missing:
-        shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
-        raise ResumeShapeError(f"the converted checkpoint {uc_dir} has no state for {len(missing)} parameter(s) of "
-                               f"the model now running: {shown}. The checkpoint was written by another model or "
-                               f"with other trainable parameters.")
-    return written
-
-
-def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: Mapping[str, tuple[int, ...]]) -> list[str]:
-    written = []
-    for entry in sorted(p for p in zero.iterdir() if p.name.startswith(block + ".")):
-        local = entry.name[len(block) + 1:]
-        if local.startswith("experts."):
-            continue
-        own = own_name(local, names)
-        if own is None:
-            raise ResumeShapeError(f"{entry.name}: an AutoEP parameter with no counterpart in the original block; "
-                                   "resume with expert parallelism (ep_size > 1).")
-        dest = zero / f"{block}.{own}"
-        if not dest.exists():
-            shutil.copytree(entry, dest)
-            written.append(dest.name)
-    experts_prefix = f"{block}.{names.experts}."
-    shapes = {n[len(experts_prefix):]: tuple(s) for n, s in target_params.items() if n.startswith(experts_prefix)}
-    targets = [names.w1, names.w2] + ([names.w3] if names.w3 else [])
-    if all((zero / (experts_prefix + t) / "fp32.pt").is_file() for t in targets):
-        return written
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
-        parts = {}
-        for w in _EXPERT_WEIGHTS:
-            parts[w] = _load_state(zero / f"{block}.experts.{w}" / f"{key}.pt")
-        for target, tensor in fuse_experts(parts["w1"], parts["w2"], parts["w3"], names, shapes).items():
-            dest = zero / (experts_prefix + target)
-            dest.mkdir(exist_ok=True)
-            torch.save({"param": tensor.contiguous()}, dest / f"{key}.pt")
-    written += [experts_prefix + t for t in targets]
-    return written
-
-
-def _load_state(path: Path) -> torch.Tensor:
-    """One universal state file: DeepSpeed writes a bare tensor or ``{"param": tensor, ...}``."""
-    if not path.is_file():
-        raise ResumeShapeError(f"{path} is missing from the converted checkpoint.")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return state["param"] if isinstance(state, dict) else state
-
-
-def _saved_shapes(tag_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Full parameter shapes as the source run's model states list them (``param_shapes``)."""
-    files = sorted(tag_dir.glob("*_model_states.pt"))
-    state = torch.load(files[0], map_location="cpu", weights_only=False) if files else {}
-    return {name: tuple(shape) for group in state.get("param_shapes", []) for name, shape in group.items()}
-
-
-def _write_autoep_names(zero: Path, block: str, names: BlockNames,
-                        target_params: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """No expert parallelism -> AutoEP: the inverse of :func:`_write_own_names`."""
-    from deepspeed.checkpoint.constants import CAT_DIM, EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
-
-    written = []
-    for name in target_params:
-        local = name[len(block) + 1:] if name.startswith(block + ".") else None
-        if local is None or local.startswith("experts."):
-            continue
-        own = own_name(local, names)
-        src, dest = zero / f"{block}.{own}", zero / name
-        if own is not None and src.is_dir() and not dest.exists():
-            shutil.copytree(src, dest)
-            written.append(name)
-    if all((zero / f"{block}.experts.{w}" / "fp32.pt").is_file() for w in _EXPERT_WEIGHTS):
-        return written
-    prefix = f"{block}.{names.experts}."
-    sources = [n for n in (names.w1, names.w2, names.w3) if n]
-    shapes = _saved_shapes(zero.parent)  # ZeRO-3 universal files of dense tensors are flat
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
-        full = {}
-        for n in sources:
-            if prefix + n not in shapes:
-                raise ResumeShapeError(f"{prefix + n}: the checkpoint has no such parameter, so its experts cannot "
-                                       "be split for expert parallelism; resume with the model that was trained.")
-            full[n] = _load_state(zero / (prefix + n) / f"{key}.pt").reshape(shapes[prefix + n])
-        parts = split_experts(full, names)
-        for w, tensor in parts.items():
-            dest = zero / f"{block}.experts.{w}"
-            dest.mkdir(exist_ok=True)
-            torch.save({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
-                        EP_NUM_EXPERTS: int(tensor.shape[0])}, dest / f"{key}.pt")
-    return written + [f"{block}.experts.{w}" for w in _EXPERT_WEIGHTS]
-
-
 @contextlib.contextmanager
 def universal_loading(engine: Any) -> Iterator[None]:
     """Let an engine built without ``checkpoint.load_universal`` load one universal checkpoint.
@@ -385,5 +267,65 @@ def repair_optimizer_after_universal_load(engine: Any, uc_dir: Path, tag: str) -
     return repaired
 
 
+def load_on_new_shape(engine: Any, saved: SavedCheckpoint, target: Shape, *, ep_section: Mapping[str, Any] | None,
+                      layouts: Mapping[str, Any], is_global_zero: bool, broadcast: Callable[[Any], Any],
+                      fitting: bool, strict: bool, info: Callable[[str], None],
+                      warn: Callable[[str], None]) -> dict[str, Any]:
+    """Load ``saved`` into ``engine`` on the shape now running, on every rank; returns the client state.
+
+    Rank 0 converts it once (:func:`ensure_universal`, reused later) while the other ranks wait at
+    ``broadcast``; a failure there is raised on every rank, so none is left waiting. Then every rank
+    re-partitions weights (and, when ``fitting``, the optimizer state, repaired with
+    :func:`repair_optimizer_after_universal_load`) for itself, and frozen parameters, which the
+    universal checkpoint leaves out, are restored from the saved partitions
+    (:mod:`lightning_zeromoe.frozen_state`).
+    """
+    from lightning_zeromoe.frozen_state import restore_frozen
+
+    start = time.monotonic()
+    outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
+    failure: BaseException | None = None
+    if is_global_zero:
+        try:
+            trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
+                         for name, p in engine.module.named_parameters() if p.requires_grad}
+            outcome[0], outcome[1] = ensure_universal(saved, trainable, ep_section, log=info, layouts=layouts)
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
+            failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
+    outcome = broadcast(outcome)  # the other ranks wait here for the conversion
+    if failure is not None:
+        raise failure
+    if outcome[2]:
+        raise ResumeShapeError(outcome[2])
+    with universal_loading(engine):
+        _, client_state = engine.load_checkpoint(str(outcome[0]), load_optimizer_states=fitting,
+                                                 load_lr_scheduler_states=False, load_module_strict=strict)
+    if fitting:
+        repair_optimizer_after_universal_load(engine, outcome[0], saved.tag)
+    frozen, unfound = restore_frozen(engine.module, saved, ep_section, layouts)
+    if unfound:
+        warn(f"ZeroMoEStrategy: the checkpoint holds no value for {len(unfound)} frozen parameter(s) "
+             f"({', '.join(unfound[:4])}{' ...' if len(unfound) > 4 else ''}); they keep the values "
+             "the model was built with.")
+    info(f"ZeroMoEStrategy: resumed {saved.path} ({saved.shape}) on {target} through DeepSpeed's "
+         f"universal checkpoint {outcome[0]} ({'converted' if outcome[1] else 'reused'}"
+         f"{f', {len(frozen)} frozen parameter(s) restored' if frozen else ''}, "
+         f"{time.monotonic() - start:.1f} s)")
+    return client_state
+
+
+def saved_parameter_order(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Parameter names in the order a DeepSpeed checkpoint's flat optimizer groups hold them."""
+    root = Path(checkpoint_dir)
+    latest = root / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    states = sorted((root / tag).glob("*model_states.pt"))
+    if not states:
+        return []
+    saved = torch.load(states[0], map_location="cpu", weights_only=False)
+    return [name for group in saved.get("param_shapes") or [] for name in group]
+
+
 __all__ = ["ENTRY_ID", "ResumeShapeError", "SavedCheckpoint", "Shape", "add_target_names", "ensure_universal",
-           "plan_resume", "read_saved", "repair_optimizer_after_universal_load", "universal_dir", "universal_loading"]
+           "load_on_new_shape", "plan_resume", "read_saved", "repair_optimizer_after_universal_load",
+           "saved_parameter_order", "universal_dir", "universal_loading"]

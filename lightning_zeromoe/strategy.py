@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -382,10 +381,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """
         if self.model is None or not self.zero_stage_3:
             return
+        from lightning_zeromoe.resume import saved_parameter_order
+
         module = self.lightning_module
         config = inference_config(self.config, already_converted=_autoep_converted(module))
         trainable = dict((n, p) for n, p in module.named_parameters() if p.requires_grad)
-        order = [n for n in _saved_parameter_order(checkpoint_path) if n in trainable]
+        order = [n for n in saved_parameter_order(checkpoint_path) if n in trainable]
         params = [trainable[n] for n in order] + [p for n, p in trainable.items() if n not in set(order)]
         remove_hooks_defined_in(module, "deepspeed")
         self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
@@ -533,42 +534,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         blocks = {b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])}
         if not resume.plan_resume(saved, target, blocks):
             return super().load_checkpoint(checkpoint_path, weights_only)
-        start = time.monotonic()
-        outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
-        failure: BaseException | None = None
-        if self.is_global_zero:
-            try:
-                trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
-                             for name, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad}
-                outcome[0], outcome[1] = resume.ensure_universal(saved, trainable, self.config.get("expert_parallel"),
-                                                                 log=rank_zero_info, layouts=self._block_layouts())
-            except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
-                failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
-        outcome = self.broadcast(outcome)  # the other ranks wait here for the conversion
-        if failure is not None:
-            raise failure
-        if outcome[2]:
-            raise resume.ResumeShapeError(outcome[2])
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        with resume.universal_loading(self.deepspeed_engine):
-            _, client_state = self.deepspeed_engine.load_checkpoint(
-                str(outcome[0]), load_optimizer_states=fitting, load_lr_scheduler_states=False,
-                load_module_strict=self.lightning_module.strict_loading)
-        if fitting:
-            resume.repair_optimizer_after_universal_load(self.deepspeed_engine, outcome[0], saved.tag)
-        from lightning_zeromoe.frozen_state import restore_frozen
-
-        frozen, unfound = restore_frozen(self.deepspeed_engine.module, saved, self.config.get("expert_parallel"),
-                                         self._block_layouts())
-        if unfound:
-            rank_zero_warn(f"ZeroMoEStrategy: the checkpoint holds no value for {len(unfound)} frozen parameter(s) "
-                           f"({', '.join(unfound[:4])}{' ...' if len(unfound) > 4 else ''}); they keep the values "
-                           "the model was built with.")
-        rank_zero_info(f"ZeroMoEStrategy: resumed {saved.path} ({saved.shape}) on {target} through DeepSpeed's "
-                       f"universal checkpoint {outcome[0]} ({'converted' if outcome[1] else 'reused'}"
-                       f"{f', {len(frozen)} frozen parameter(s) restored' if frozen else ''}, "
-                       f"{time.monotonic() - start:.1f} s)")
-        return client_state
+        return resume.load_on_new_shape(
+            self.deepspeed_engine, saved, target, ep_section=self.config.get("expert_parallel"),
+            layouts=self._block_layouts(), is_global_zero=self.is_global_zero, broadcast=self.broadcast,
+            fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
+            strict=self.lightning_module.strict_loading, info=rank_zero_info, warn=rank_zero_warn)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -611,18 +581,6 @@ def lend_root_config(model: Module, config: Any) -> Iterator[None]:
             del model.__dict__["config"]
         else:
             model.__dict__["config"] = previous
-
-
-def _saved_parameter_order(checkpoint_dir: Any) -> list[str]:
-    """Parameter names in the order a DeepSpeed checkpoint's flat optimizer groups hold them."""
-    root = Path(checkpoint_dir)
-    latest = root / "latest"
-    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
-    states = sorted((root / tag).glob("*model_states.pt"))
-    if not states:
-        return []
-    saved = torch.load(states[0], map_location="cpu", weights_only=False)
-    return [name for group in saved.get("param_shapes") or [] for name in group]
 
 
 def _autoep_converted(model: Module) -> bool:

@@ -8,7 +8,6 @@ The 2-rank path through real ``zero.Init`` partitions is tests/test_pretrained.p
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import pytest
 import torch
