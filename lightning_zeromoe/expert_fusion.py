@@ -19,6 +19,7 @@ transformers' whole conversion; ``tests/test_pretrained.py`` the first loss, end
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -104,9 +105,7 @@ def load_expert_rows(item: ExpertRows, state_dict: Mapping[str, torch.Tensor],
     """
     param = item.param
     shape = tuple(param.ds_shape)
-    row_numel = 1
-    for d in shape[1:]:
-        row_numel *= d
+    row_numel = math.prod(shape[1:])
     lo, hi = partition_range(param)
     first = True
     for e, keys in enumerate(item.rows):

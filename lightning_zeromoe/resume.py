@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from lightning_zeromoe.autoep_names import ENTRY_ID, ResumeShapeError
-from lightning_zeromoe.universal_names import add_target_names
+from lightning_zeromoe.universal_names import add_target_names, saved_shapes
 
 SUFFIX = ".universal"
 MARKER = "zeromoe_universal.json"
@@ -319,11 +319,7 @@ def saved_parameter_order(checkpoint_dir: str | os.PathLike) -> list[str]:
     root = Path(checkpoint_dir)
     latest = root / "latest"
     tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
-    states = sorted((root / tag).glob("*model_states.pt"))
-    if not states:
-        return []
-    saved = torch.load(states[0], map_location="cpu", weights_only=False)
-    return [name for group in saved.get("param_shapes") or [] for name in group]
+    return list(saved_shapes(root / tag))
 
 
 __all__ = ["ENTRY_ID", "ResumeShapeError", "SavedCheckpoint", "Shape", "add_target_names", "ensure_universal",

@@ -95,11 +95,12 @@ def _load_state(path: Path) -> torch.Tensor:
     return state["param"] if isinstance(state, dict) else state
 
 
-def _saved_shapes(tag_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Full parameter shapes as the source run's model states list them (``param_shapes``)."""
+def saved_shapes(tag_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Full parameter shapes as the source run's model states list them (``param_shapes``), in the
+    order its flat optimizer groups hold them."""
     files = sorted(tag_dir.glob("*_model_states.pt"))
     state = torch.load(files[0], map_location="cpu", weights_only=False) if files else {}
-    return {name: tuple(shape) for group in state.get("param_shapes", []) for name, shape in group.items()}
+    return {name: tuple(shape) for group in state.get("param_shapes") or [] for name, shape in group.items()}
 
 
 def _write_autoep_names(zero: Path, block: str, names: BlockNames,
@@ -121,7 +122,7 @@ def _write_autoep_names(zero: Path, block: str, names: BlockNames,
         return written
     prefix = f"{block}.{names.experts}."
     sources = [n for n in (names.w1, names.w2, names.w3) if n]
-    shapes = _saved_shapes(zero.parent)  # ZeRO-3 universal files of dense tensors are flat
+    shapes = saved_shapes(zero.parent)  # ZeRO-3 universal files of dense tensors are flat
     for key in ("fp32", "exp_avg", "exp_avg_sq"):
         full = {}
         for n in sources:
@@ -138,4 +139,4 @@ def _write_autoep_names(zero: Path, block: str, names: BlockNames,
     return written + [f"{block}.experts.{w}" for w in _EXPERT_WEIGHTS]
 
 
-__all__ = ["add_target_names"]
+__all__ = ["add_target_names", "saved_shapes"]
