@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_zeromoe import collectives
 from lightning_zeromoe.discovery import Discovery, MoEBlock
 from lightning_zeromoe.moe_structure import SCORE_BIAS
 
@@ -304,10 +305,10 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
 def _agree_over_ranks(passed: list[bool]) -> list[bool]:
     import torch.distributed as dist
 
-    if not passed or not (dist.is_available() and dist.is_initialized()):
+    if not passed or not collectives.is_initialized():
         return passed
     flags = torch.tensor([1 if p else 0 for p in passed], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    collectives.all_reduce(flags, op=dist.ReduceOp.MIN)  # on the backend's device: NCCL has no CPU one
     return [bool(v) for v in flags.tolist()]
 
 

@@ -20,6 +20,7 @@ import torch
 
 # torch.distributed's own deprecation notices fire on every collective DeepSpeed makes.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+from lightning_zeromoe import collectives  # noqa: E402
 from lightning_zeromoe.notices import silence_known_notices  # noqa: E402
 
 silence_known_notices()
@@ -80,7 +81,7 @@ def make_report_callback() -> Any:
             elapsed = time.perf_counter() - (self.start or time.perf_counter())
             counts = global_counts(module)
             ledger = state_bytes(trainer.strategy.deepspeed_engine)
-            ledgers = _gather(ledger, trainer.world_size)
+            ledgers = _gather(ledger)
             if not trainer.is_global_zero:
                 return
             lines = [f"\nloss {module.last_losses['loss']:.4f} (task {module.last_losses['task_loss']:.4f}, "
@@ -100,10 +101,8 @@ def make_report_callback() -> Any:
     return DemoReport()
 
 
-def _gather(obj: Any, world_size: int) -> list[Any]:
-    out: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
+def _gather(obj: Any) -> list[Any]:
+    return collectives.all_gather_object(obj)
 
 
 def main(argv: list[str] | None = None) -> int:

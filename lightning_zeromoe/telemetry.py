@@ -14,6 +14,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_zeromoe import collectives
+
 
 def expert_counters(module: nn.Module) -> dict[str, torch.Tensor]:
     """``{layer path: tokens_per_expert}`` for every MoE layer that keeps a counter."""
@@ -30,9 +32,9 @@ def expert_shares(counts: torch.Tensor) -> list[float]:
 def global_counts(module: nn.Module, reset: bool = False) -> dict[str, torch.Tensor]:
     """Counters summed over all ranks (each rank counts only its own tokens), optionally reset."""
     counts = {name: c.detach().clone().float() for name, c in expert_counters(module).items()}
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if collectives.is_initialized():
         for tensor in counts.values():
-            torch.distributed.all_reduce(tensor)
+            collectives.all_reduce(tensor)
     if reset:
         for counter in expert_counters(module).values():
             counter.zero_()

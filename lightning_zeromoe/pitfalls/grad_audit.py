@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-
+from lightning_zeromoe import collectives
 from lightning_zeromoe.pitfalls.sharing import parameter_paths
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ class GradAudit:
             world = torch.distributed.get_world_size()
             if self.device is not None:
                 flags = flags.to(self.device)
-            torch.distributed.all_reduce(flags)  # one collective, once
+            collectives.all_reduce(flags)  # one collective, once, on the backend's device
             flags = flags.cpu()
         stale = [StaleParameter(name, int(n), world) for (name, _), n in zip(self._params, flags.tolist()) if n < world]
         self.report = AuditReport(self.steps, stale, sorted(self._aliases.values(), key=lambda a: a.attribute))

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from lightning_zeromoe import collectives  # noqa: E402
 from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM  # noqa: E402
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
@@ -221,7 +222,7 @@ def main() -> None:
             cases[name]()
         except Exception as err:  # noqa: BLE001 - report and go on with the next case
             emit(name, crashed=error_text(err), traceback=traceback.format_exc()[-3000:])
-        torch.distributed.barrier()
+        collectives.barrier()
 
 
 if __name__ == "__main__":

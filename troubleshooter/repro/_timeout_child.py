@@ -31,6 +31,7 @@ def main() -> None:
     # A generous rendezvous, then the short timeout the user asked for on the world group.
     dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=120))
     timeout = timedelta(seconds=args.timeout)
+    from lightning_zeromoe import collectives
     from lightning_zeromoe._torch_private import group_timeout, set_group_timeout
 
     set_group_timeout(timeout, c10d._get_default_group())
@@ -39,7 +40,7 @@ def main() -> None:
         from lightning_zeromoe.strategy import apply_timeout_to_all_groups
 
         apply_timeout_to_all_groups(timeout)
-    dist.barrier()
+    collectives.barrier()
 
     record = {"rank": args.rank, "world_timeout": group_timeout(c10d._get_default_group()).total_seconds(),
               "expert_group_timeout": group_timeout(expert_group).total_seconds()}
@@ -48,7 +49,7 @@ def main() -> None:
     else:
         start = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(4), group=expert_group)
+            collectives.all_reduce(torch.ones(4), group=expert_group)
             record["error"] = None
         except RuntimeError as err:
             record["error"] = str(err).splitlines()[0][:300]
