@@ -16,19 +16,24 @@ measured in ``benchmarks/load_memory.py`` (344 M Mixtral, 2 CPU ranks):
 * **Freed conversion buffers** (fused experts): :func:`trim_heap` after each layer.
 
 Pages are dropped with ``madvise(MADV_DONTNEED)``, only in private mappings of regular files: they
-are re-read from the page cache or the file when touched again. A page this process wrote to (a
-private copy) would be lost, so :meth:`FilePages.release_mappings` leaves a mapping alone when any of its
-pages was written. Everything here is a no-op where ``/proc``, ``madvise`` or ``malloc_trim`` is
-missing (not Linux/glibc).
+are re-read from the page cache or the file when touched again. A page this process wrote to is a
+private copy, the only place that write exists, and ``MADV_DONTNEED`` would throw it away, so
+:meth:`FilePages.release_mappings` leaves a whole mapping alone, and :meth:`FilePages.release` a
+tensor's pages, when any of them was written (:func:`written_pages`: resident as an anonymous copy,
+or swapped out, which only a copy can be). Everything here is a no-op where it cannot work: not
+Linux, no ``/proc/self/pagemap``, no C library to call (Windows: ``ctypes.CDLL(None)`` raises), no
+``madvise`` or no ``malloc_trim`` (musl).
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import functools
 import os
+import sys
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -37,17 +42,29 @@ _MADV_DONTNEED = 4  # Linux
 #: A partitioned module whose largest parameter has at least this many elements freed a block big
 #: enough to be worth a trim (1 MiB in fp32); smaller ones (norms, routers) are left to the next.
 _TRIM_MIN_NUMEL = 1 << 18
+_MAPS = "/proc/self/maps"
+_PAGEMAP = "/proc/self/pagemap"
+
+#: Bits of a ``/proc/<pid>/pagemap`` entry (one 64-bit word per virtual page, host byte order;
+#: the kernel's Documentation/admin-guide/mm/pagemap.rst).
+PAGE_PRESENT = 1 << 63
+PAGE_SWAPPED = 1 << 62
+#: Since Linux 3.5. Clear for a present page of a private file mapping: the page is an anonymous
+#: copy-on-write copy, made when this process wrote to it.
+PAGE_FILE_OR_SHARED_ANON = 1 << 61
 
 
 class FilePages:
     """The private mappings of regular files in this process, taken once, to drop tensors' pages.
 
     Read ``/proc/self/maps`` once (a loader calls :meth:`release` thousands of times); tensors
-    mapped later are not seen.
+    mapped later are not seen. Holds no mappings, so every method does nothing, where pages cannot
+    be released safely (see :func:`can_release_pages`).
     """
 
     def __init__(self) -> None:
-        self.mappings = [(lo, hi) for lo, hi, path in _private_file_mappings() if os.path.isfile(path)]
+        mappings = _private_file_mappings() if can_release_pages() else []
+        self.mappings = [(lo, hi) for lo, hi, path in mappings if os.path.isfile(path)]
         self._starts = [lo for lo, _ in self.mappings]
 
     def mapping_of(self, tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -62,23 +79,22 @@ class FilePages:
         return None
 
     def release(self, tensor: torch.Tensor) -> None:
-        """Drop the whole pages behind ``tensor`` if it lives in one of the mappings.
+        """Drop the whole pages behind ``tensor`` if it lives in one of the mappings and none of
+        those pages was written.
 
         For a memory-mapped checkpoint (safetensors 0.8 maps each file privately, ``rw-p``) this
-        takes the file pages just read out of the process's resident set. Only pages this process
-        wrote to would be lost (a private mapping's copy-on-write pages); the loader calls this on
-        tensors it has only read. (``MADV_PAGEOUT`` would not do: it skips pages another rank maps
-        too.) Anonymous memory and shared mappings are left alone.
+        takes the file pages just read out of the process's resident set. A tensor this process
+        wrote to (a user who edits the mapped tensors and passes them to ``from_pretrained`` as
+        ``state_dict=``) is left alone: its written pages are private copies that hold the only
+        version of the edit. (``MADV_PAGEOUT`` would not do: it skips pages another rank maps too.)
+        Anonymous memory and shared mappings are left alone.
         """
         mapping = self.mapping_of(tensor)
         if mapping is None:
             return
         start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        page = os.sysconf("SC_PAGE_SIZE")
-        lo, hi = max(mapping[0], -(-start // page) * page), min(mapping[1], end // page * page)
-        if hi > lo:
-            _libc().madvise(lo, hi - lo, _MADV_DONTNEED)
+        lo, hi = whole_pages(start, start + tensor.numel() * tensor.element_size(), os.sysconf("SC_PAGE_SIZE"))
+        _drop_unless_written(max(lo, mapping[0]), min(hi, mapping[1]))
 
     def release_mappings(self, tensors: Iterable[torch.Tensor]) -> int:
         """Drop every resident page of the mappings that hold any of ``tensors``.
@@ -87,17 +103,45 @@ class FilePages:
         mapping with a page this process has written to is skipped. Returns the bytes released.
         """
         hit = {m for m in map(self.mapping_of, tensors) if m is not None}
-        released = 0
-        for lo, hi in sorted(hit):
-            if not _any_page_written(lo, hi):
-                _libc().madvise(lo, hi - lo, _MADV_DONTNEED)
-                released += hi - lo
-        return released
+        return sum(_drop_unless_written(lo, hi) for lo, hi in sorted(hit))
+
+
+def written_pages(entries: bytes) -> torch.Tensor:
+    """Which pages of a private file mapping hold data written by this process, from their
+    ``/proc/self/pagemap`` entries (8 bytes each, host byte order): a bool per entry.
+
+    A page of a private file mapping that was only read is the page cache's page (present, with
+    :data:`PAGE_FILE_OR_SHARED_ANON`) or not mapped at all (entry 0). Writing to it gives the
+    process an anonymous copy: present without that bit or, once swapped out, a swap entry
+    (:data:`PAGE_SWAPPED`; a clean file page is never swapped, only dropped). A swap entry with the
+    file bit (a file page the kernel is migrating) counts as written too: dropping it is not worth
+    the guess. The soft-dirty bit (55) is no help: it is set on every page of a new mapping until
+    something writes to ``/proc/<pid>/clear_refs``.
+    """
+    if not entries:
+        return torch.zeros(0, dtype=torch.bool)
+    words = torch.frombuffer(bytearray(entries), dtype=torch.int64)
+    present = (words & _as_int64(PAGE_PRESENT)) != 0
+    swapped = (words & _as_int64(PAGE_SWAPPED)) != 0
+    file_page = (words & _as_int64(PAGE_FILE_OR_SHARED_ANON)) != 0
+    return swapped | (present & ~file_page)
+
+
+def whole_pages(start: int, end: int, page: int) -> tuple[int, int]:
+    """The page-aligned ``[lo, hi)`` of the pages that lie entirely inside ``[start, end)``
+    (``lo >= hi`` when there is none)."""
+    return -(-start // page) * page, end // page * page
+
+
+def can_release_pages() -> bool:
+    """Whether pages can be dropped here: Linux, with ``/proc/self/pagemap`` (to see which pages were
+    written) and ``madvise`` in the C library."""
+    return sys.platform.startswith("linux") and os.path.exists(_PAGEMAP) and _libc_function("madvise") is not None
 
 
 def trim_heap() -> None:
-    """Give freed heap memory back to the system (glibc ``malloc_trim``)."""
-    trim = getattr(_libc(), "malloc_trim", None)
+    """Give freed heap memory back to the system (glibc ``malloc_trim``); nothing without it."""
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -133,7 +177,7 @@ def _private_file_mappings() -> list[tuple[int, int, str]]:
     """``(start, end, path)`` of every private mapping with a path in this process, sorted."""
     out = []
     try:
-        with open("/proc/self/maps") as maps:
+        with open(_MAPS) as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 path = fields[5].strip() if len(fields) > 5 else ""
@@ -145,36 +189,61 @@ def _private_file_mappings() -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
-def _any_page_written(lo: int, hi: int) -> bool:
-    """Whether a resident page of ``[lo, hi)`` is this process's private copy (written to).
+def _drop_unless_written(lo: int, hi: int) -> int:
+    """``MADV_DONTNEED`` on the page-aligned ``[lo, hi)`` unless one of its pages was written;
+    the bytes dropped."""
+    if hi <= lo or _any_page_written(lo, hi):
+        return 0
+    madvise = _libc_function("madvise")
+    if madvise is None or madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
 
-    ``/proc/self/pagemap`` has one 64-bit entry per page: bit 63 "present", bit 61 "file page or
-    shared anonymous"; a present page without bit 61 in a file mapping is a copy-on-write copy.
-    When pagemap cannot be read, the answer is "yes", so nothing is released.
+
+def _any_page_written(lo: int, hi: int) -> bool:
+    """Whether a page of the page-aligned ``[lo, hi)`` is this process's own copy
+    (:func:`written_pages`). When pagemap cannot be read, the answer is "yes", so nothing is released.
     """
     page = os.sysconf("SC_PAGE_SIZE")
+    count = (hi - lo) // page
     try:
-        with open("/proc/self/pagemap", "rb") as f:
+        with open(_PAGEMAP, "rb") as f:
             f.seek(lo // page * 8)
-            data = f.read((hi - lo) // page * 8)
+            data = f.read(count * 8)
     except OSError:
         return True
-    if not data:
-        return False
-    entries = torch.frombuffer(bytearray(data), dtype=torch.int64)  # bit 63 set: negative
-    return bool(((entries < 0) & ((entries & (1 << 61)) == 0)).any())
+    if len(data) != count * 8:
+        return True
+    return bool(written_pages(data).any())
 
 
-_LIBC: Any = None
+def _as_int64(mask: int) -> int:
+    """An unsigned 64-bit mask as the signed value with the same bits (for int64 tensors)."""
+    return mask - (1 << 64) if mask >= 1 << 63 else mask
 
 
+@functools.lru_cache(maxsize=None)
 def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC.madvise.restype = ctypes.c_int
-    return _LIBC
+    """This process's C library, or ``None`` where ctypes cannot open it (Windows: ``CDLL(None)``
+    raises ``TypeError``)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """``name`` from the C library with its C signature set, or ``None`` where there is none."""
+    function = getattr(_libc(), name, None)  # None when there is no library or no such symbol
+    if function is None:
+        return None
+    if name == "madvise":
+        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    elif name == "malloc_trim":
+        function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
 
 
 __all__ = ["FilePages", "trim_after_each_partition", "trim_heap"]
