@@ -12,36 +12,44 @@ comes along.
 
 What this module adds around it:
 
-* :func:`read_saved` / :func:`plan_resume`: the shape recorded in DeepSpeed's own files (``dp_world_size``,
-  ``ds_config``, ``ds_autoep_layers``) against the shape now running; an impossible change is
-  refused with a :class:`ResumeShapeError` before anything is converted.
+* :func:`plan_resume`: the shape recorded in DeepSpeed's own files
+  (:func:`lightning_zeromoe.saved_checkpoint.read_saved`) against the shape the engine really runs
+  (:func:`engine_ep_size`); an impossible change is refused with a :class:`ResumeShapeError` before
+  anything is converted.
 * :func:`ensure_universal`: one conversion per checkpoint, into a sibling directory
   (``<ckpt>.universal``; never inside the user's checkpoint, which is only read), under a file
-  lock, written to a temporary directory and renamed, reused while the source is unchanged.
+  lock, written to a temporary directory and renamed, reused while the source is unchanged; every
+  rank checks the copy it reads (:func:`universal_problem`).
 * Between expert parallelism and none the parameter names differ; the universal tensors are
   written again under the names the target model uses (:mod:`lightning_zeromoe.universal_names`).
 * :func:`repair_optimizer_after_universal_load`: two DeepSpeed 0.19.8 slips in that load, undone.
+* The universal load restores only what the optimizer owns; buffers and frozen parameters are put
+  back by :mod:`lightning_zeromoe.module_state`.
 * :func:`load_on_new_shape`: all of it, on every rank, as ``ZeroMoEStrategy.load_checkpoint`` runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from lightning_zeromoe.autoep_names import ENTRY_ID, ResumeShapeError
+from lightning_zeromoe.autoep_names import ENTRY_ID, ResumeShapeError, autoep_layers
+from lightning_zeromoe.saved_checkpoint import SavedCheckpoint, Shape, read_saved
 from lightning_zeromoe.universal_names import add_target_names, saved_shapes
+
+try:  # POSIX only; elsewhere two jobs converting the same checkpoint at once are not kept apart
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
 
 SUFFIX = ".universal"
 MARKER = "zeromoe_universal.json"
@@ -50,67 +58,24 @@ MARKER = "zeromoe_universal.json"
 # ------------------------------------------------------------------ shapes
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The parallel layout of a run: what a ZeRO checkpoint's partitioning depends on."""
-
-    world_size: int
-    ep_size: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.world_size} ranks, ep_size={self.ep_size}, ZeRO stage {self.stage}"
+def engine_ep_size(module: torch.nn.Module) -> int:
+    """The ``ep_size`` the engine really runs with: its AutoEP layers' (1 when no block converted,
+    whatever ``ZeroMoEStrategy(ep_size=...)`` asked for; a config's ``autoep_size`` shows here too)."""
+    sizes = {int(getattr(layer, "ep_size", 1)) for layer in autoep_layers(module).values()}
+    if len(sizes) > 1:
+        raise ResumeShapeError(f"the model's AutoEP layers have different ep_size {sorted(sizes)}.")
+    return sizes.pop() if sizes else 1
 
 
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """What a DeepSpeed checkpoint directory records about the run that wrote it."""
-
-    path: Path
-    tag: str
-    shape: Shape
-    #: AutoEP layers: module path -> number of experts (empty without expert parallelism).
-    experts: dict[str, int] = field(default_factory=dict)
-    #: The ``expert_parallel`` config section the run used (names of routers and expert weights).
-    ep_section: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tag_dir(self) -> Path:
-        return self.path / self.tag
-
-
-def read_saved(ckpt_dir: str | os.PathLike) -> SavedCheckpoint:
-    """Read the shape from the ``latest`` tag's rank-0 model states (as DeepSpeed itself does on resume)."""
-    path = Path(ckpt_dir)
-    latest = path / "latest"
-    if not latest.is_file():
-        raise ResumeShapeError(f"{path} has no 'latest' file, so it is not a DeepSpeed checkpoint directory written by "
-                               "trainer.save_checkpoint / ModelCheckpoint under ZeroMoEStrategy.")
-    tag = latest.read_text().strip()
-    files = sorted((path / tag).glob("*_model_states.pt"))
-    files = [f for f in files if not f.name.startswith(("layer_", "expert_"))]
-    if not files:
-        raise ResumeShapeError(f"{path / tag} holds no *_model_states.pt file: the checkpoint is incomplete.")
-    # DeepSpeed's model states pickle its own config objects; it loads them the same way on resume.
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
-    config = state.get("ds_config") or {}
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-    layers = state.get("ds_autoep_layers") or []
-    experts = {layer["module_path"]: int(layer["num_experts"]) for layer in layers}
-    ep_sizes = {int(layer["ep_size"]) for layer in layers} or {1}
-    if len(ep_sizes) > 1:
-        raise ResumeShapeError(f"{path}: AutoEP layers with different ep_size {sorted(ep_sizes)}; ZeroMoEStrategy "
-                               "writes one ep_size for all layers, so this checkpoint came from elsewhere.")
-    world = int(state.get("dp_world_size", len(files))) * int(state.get("mp_world_size", 1))
-    return SavedCheckpoint(path=path, tag=tag, shape=Shape(world, ep_sizes.pop(), stage), experts=experts,
-                           ep_section=dict(config.get("expert_parallel") or {}))
-
-
-def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[str, int]) -> bool:
+def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[str, int],
+                trainable: Iterable[str] | None = None) -> bool:
     """True when the checkpoint must go through a universal conversion; raises when it cannot resume.
 
     ``model_experts`` maps each MoE block of the model now running (module path, as in the
-    checkpoint) to its number of experts.
+    checkpoint) to its number of experts. ``trainable``: the names of the parameters that train now.
+    On the same shape, a parameter trained when saved and frozen now also takes the universal path:
+    DeepSpeed's own load looks it up among the saved frozen parameters and fails with a bare
+    ``KeyError`` (``runtime/engine.py``, ``load_module_state_dict``).
     """
     problems = []
     if saved.shape.stage != target.stage:
@@ -133,7 +98,8 @@ def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[st
     if problems:
         raise ResumeShapeError(f"the checkpoint {saved.path} ({saved.shape}) cannot resume on {target}: "
                                + "; ".join(problems) + ".")
-    return saved.shape != target
+    frozen_since = trainable is not None and bool(saved.trainable) and bool(set(saved.trainable) - set(trainable))
+    return saved.shape != target or frozen_since
 
 
 # ------------------------------------------------------------------ conversion
@@ -155,49 +121,90 @@ def _fingerprint(saved: SavedCheckpoint) -> list[list[Any]]:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``. The kernel drops it when its holder dies, so a lock file
+    left by a killed job is reclaimed at once, never waited on."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(out: Path, log: Callable[[str], None]) -> None:
+    """Under the lock no conversion of this checkpoint runs: temporary and trash directories next
+    to ``out`` were left by a job that died (SIGKILL, node failure) and are removed."""
+    for stale in sorted(out.parent.glob(f"{out.name}.tmp-*")) + sorted(out.parent.glob(f"{out.name}.old-*")):
+        log(f"removing {stale}, left by a conversion that did not finish")
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def universal_problem(out: Path, saved: SavedCheckpoint) -> str:
+    """Why ``out`` is not a complete conversion of ``saved`` as this process sees both ("" when it is).
+
+    Run by every rank before loading: with node-local disks, each node reads its own copy.
+    """
+    marker = out / MARKER
+    if not marker.is_file():
+        return f"{out} has no {MARKER}: the conversion is missing or incomplete on this node"
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError) as err:
+        return f"{marker} cannot be read ({err})"
+    if recorded.get("source") != _fingerprint(saved):
+        return (f"{out} was converted from another state of {saved.path} (files, sizes or times differ), so it is "
+                "stale")
+    return ""
 
 
 def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
                      target_ep_section: Mapping[str, Any] | None = None,
                      log: Callable[[str], None] = print,
-                     layouts: Mapping[str, Any] | None = None) -> tuple[Path, bool]:
+                     layouts: Mapping[str, Any] | None = None,
+                     optional_params: Mapping[str, tuple[int, ...]] | None = None) -> tuple[Path, bool]:
     """Convert ``saved`` with ``ds_to_universal`` unless an up-to-date conversion exists, and make
-    sure it holds every parameter of ``target_params`` (see :func:`add_target_names`).
+    sure it holds every parameter of ``target_params`` (see :func:`add_target_names`; the
+    ``optional_params`` where the checkpoint has them).
 
     Returns the directory to pass to ``engine.load_checkpoint`` and whether it was converted now.
     Runs on one rank (the caller's rank 0) while the others wait; the lock also keeps two jobs
-    from converting the same checkpoint at once. The source directory is only read.
+    from converting the same checkpoint at once. The source directory is only read. A kill at any
+    point leaves either no ``<ckpt>.universal`` or a complete one: the conversion is written to a
+    temporary directory, its marker last, and renamed into place; the leftovers of a killed run
+    are removed by the next one.
     """
     out = universal_dir(saved)
     lock = out.with_name(out.name + ".lock")
     try:
         with _locked(lock):
-            marker = out / MARKER
-            if marker.is_file() and json.loads(marker.read_text()).get("source") == _fingerprint(saved):
-                add_target_names(out, saved, target_params, target_ep_section, layouts)
+            _remove_leftovers(out, log)
+            if not universal_problem(out, saved):
+                add_target_names(out, saved, target_params, target_ep_section, layouts, optional_params)
                 return out, False
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
             try:
                 log(f"converting {saved.path} ({saved.shape}) with deepspeed's ds_to_universal into {out}")
                 _run_ds_to_universal(saved.tag_dir, tmp / saved.tag)
+                add_target_names(tmp, saved, target_params, target_ep_section, layouts, optional_params)
                 (tmp / MARKER).write_text(json.dumps({"source": _fingerprint(saved), "tag": saved.tag,
                                                       "saved_shape": str(saved.shape)}))
-                add_target_names(tmp, saved, target_params, target_ep_section, layouts)
+                old = out.with_name(f"{out.name}.old-{os.getpid()}")
                 if out.exists():
-                    shutil.rmtree(out)
+                    os.replace(out, old)  # atomic: never a half-deleted directory that still has its marker
                 os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     except PermissionError as err:
         raise ResumeShapeError(f"cannot write the converted checkpoint next to {saved.path} ({err}). Copy the "
                                "checkpoint directory somewhere writable and resume from the copy.") from err
+    except OSError as err:
+        raise ResumeShapeError(f"writing the converted checkpoint {out} failed ({type(err).__name__}: {err}); "
+                               f"{saved.path} itself is untouched. Free disk space next to it (the conversion needs "
+                               "about the size of the checkpoint) and resume again.") from err
     return out, True
 
 
@@ -269,27 +276,29 @@ def repair_optimizer_after_universal_load(engine: Any, uc_dir: Path, tag: str) -
 
 def load_on_new_shape(engine: Any, saved: SavedCheckpoint, target: Shape, *, ep_section: Mapping[str, Any] | None,
                       layouts: Mapping[str, Any], is_global_zero: bool, broadcast: Callable[[Any], Any],
-                      fitting: bool, strict: bool, info: Callable[[str], None],
+                      agree: Callable[[bool], bool], fitting: bool, strict: bool, info: Callable[[str], None],
                       warn: Callable[[str], None]) -> dict[str, Any]:
     """Load ``saved`` into ``engine`` on the shape now running, on every rank; returns the client state.
 
     Rank 0 converts it once (:func:`ensure_universal`, reused later) while the other ranks wait at
-    ``broadcast``; a failure there is raised on every rank, so none is left waiting. Then every rank
-    re-partitions weights (and, when ``fitting``, the optimizer state, repaired with
-    :func:`repair_optimizer_after_universal_load`) for itself, and frozen parameters, which the
-    universal checkpoint leaves out, are restored from the saved partitions
-    (:mod:`lightning_zeromoe.frozen_state`).
+    ``broadcast``; a failure there is raised on every rank, so none is left waiting. Every rank then
+    checks the converted directory *it* will read (:func:`universal_problem`; ``agree`` is true when
+    every rank's check passed), re-partitions weights (and, when ``fitting``, the optimizer state,
+    repaired with :func:`repair_optimizer_after_universal_load`) for itself, and puts back the
+    buffers and frozen parameters the universal load leaves out
+    (:func:`lightning_zeromoe.module_state.restore_module_state`).
     """
-    from lightning_zeromoe.frozen_state import restore_frozen
+    from lightning_zeromoe.module_state import frozen_parameter_shapes, restore_module_state
 
     start = time.monotonic()
+    trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
+                 for name, p in engine.module.named_parameters() if p.requires_grad}
     outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
     failure: BaseException | None = None
     if is_global_zero:
         try:
-            trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
-                         for name, p in engine.module.named_parameters() if p.requires_grad}
-            outcome[0], outcome[1] = ensure_universal(saved, trainable, ep_section, log=info, layouts=layouts)
+            outcome[0], outcome[1] = ensure_universal(saved, trainable, ep_section, log=info, layouts=layouts,
+                                                      optional_params=frozen_parameter_shapes(engine.module))
         except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
             failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
     outcome = broadcast(outcome)  # the other ranks wait here for the conversion
@@ -297,19 +306,27 @@ def load_on_new_shape(engine: Any, saved: SavedCheckpoint, target: Shape, *, ep_
         raise failure
     if outcome[2]:
         raise ResumeShapeError(outcome[2])
+    uc_dir = Path(outcome[0])
+    problem = universal_problem(uc_dir, saved)
+    if not agree(not problem):
+        raise ResumeShapeError(
+            (f"{problem}. " if problem else "another rank cannot read a complete converted checkpoint (its error says "
+                                            "which and why). ")
+            + f"Every rank reads {uc_dir} itself: keep checkpoints on a filesystem all nodes share, or copy the "
+            "checkpoint and its .universal directory to every node (rsync -a keeps the times the check compares).")
     with universal_loading(engine):
-        _, client_state = engine.load_checkpoint(str(outcome[0]), load_optimizer_states=fitting,
+        _, client_state = engine.load_checkpoint(str(uc_dir), load_optimizer_states=fitting,
                                                  load_lr_scheduler_states=False, load_module_strict=strict)
     if fitting:
-        repair_optimizer_after_universal_load(engine, outcome[0], saved.tag)
-    frozen, unfound = restore_frozen(engine.module, saved, ep_section, layouts)
-    if unfound:
-        warn(f"ZeroMoEStrategy: the checkpoint holds no value for {len(unfound)} frozen parameter(s) "
-             f"({', '.join(unfound[:4])}{' ...' if len(unfound) > 4 else ''}); they keep the values "
-             "the model was built with.")
-    info(f"ZeroMoEStrategy: resumed {saved.path} ({saved.shape}) on {target} through DeepSpeed's "
-         f"universal checkpoint {outcome[0]} ({'converted' if outcome[1] else 'reused'}"
-         f"{f', {len(frozen)} frozen parameter(s) restored' if frozen else ''}, "
+        repair_optimizer_after_universal_load(engine, uc_dir, saved.tag)
+    restored = restore_module_state(engine.module, saved, ep_section, layouts, uc_dir=uc_dir)
+    if restored.missing:
+        shown = ", ".join(restored.missing[:6]) + (" ..." if len(restored.missing) > 6 else "")
+        warn(f"ZeroMoEStrategy: the checkpoint {saved.path} holds no value for {len(restored.missing)} buffer(s) or "
+             f"frozen parameter(s) of the model now running ({shown}); they keep the values the model was built "
+             "with.")
+    info(f"ZeroMoEStrategy: resumed {saved.path} ({saved.shape}) on {target} through DeepSpeed's universal "
+         f"checkpoint {uc_dir} ({'converted' if outcome[1] else 'reused'}; {restored.summary(len(trainable))}; "
          f"{time.monotonic() - start:.1f} s)")
     return client_state
 
@@ -322,6 +339,7 @@ def saved_parameter_order(checkpoint_dir: str | os.PathLike) -> list[str]:
     return list(saved_shapes(root / tag))
 
 
-__all__ = ["ENTRY_ID", "ResumeShapeError", "SavedCheckpoint", "Shape", "add_target_names", "ensure_universal",
-           "load_on_new_shape", "plan_resume", "read_saved", "repair_optimizer_after_universal_load",
-           "saved_parameter_order", "universal_dir", "universal_loading"]
+__all__ = ["ENTRY_ID", "ResumeShapeError", "SavedCheckpoint", "Shape", "add_target_names", "engine_ep_size",
+           "ensure_universal", "load_on_new_shape", "plan_resume", "read_saved",
+           "repair_optimizer_after_universal_load", "saved_parameter_order", "universal_dir", "universal_loading",
+           "universal_problem"]

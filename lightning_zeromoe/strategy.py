@@ -480,9 +480,31 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 "the engine those built holds no optimizer state, so DeepSpeed cannot write a checkpoint from it. "
                 "Save the checkpoint before evaluating (right after fit, or with a ModelCheckpoint callback), "
                 "or run fit again to resume.")
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        # Lightning's save, but ``latest`` is written only once every rank's files are complete
+        # (lightning_zeromoe.checkpoint.commit): a save killed half-way never looks complete.
+        filepath = self.broadcast(filepath)
+        if storage_options is not None:
+            raise TypeError("trainer.save_checkpoint(..., storage_options=...) is not supported by ZeroMoEStrategy: "
+                            "DeepSpeed writes the checkpoint itself, without a CheckpointIO.")
+        from lightning_zeromoe.checkpoint.commit import DISK_FULL, begin_save, commit_save, is_disk_full
+
+        if self.is_global_zero:
+            begin_save(filepath)  # the other ranks wait in DeepSpeed's first barrier
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        try:
+            engine.save_checkpoint(filepath, client_state=state, tag="checkpoint", save_latest=False,
+                                   exclude_frozen_parameters=self.exclude_frozen_parameters)
+        except Exception as err:
+            if is_disk_full(err):
+                raise OSError(f"[{DISK_FULL}] rank {self.global_rank} could not write the checkpoint {filepath}: the "
+                              f"disk is full or a size limit was hit ({type(err).__name__}: {err}). That directory is "
+                              "incomplete and has no 'latest' file, so nothing will load it; other checkpoints are "
+                              "untouched. Free space (or delete that directory) and save again.") from err
+            raise
         if self.is_global_zero:
             self._write_export_meta(filepath)
+            commit_save(filepath, "checkpoint")
+        self.barrier("zeromoe_checkpoint_committed")
 
     def _block_layouts(self) -> dict[str, Any]:
         """Discovery's ``BlockLayout`` of every block it keeps for EP, by path: the model's own names."""
@@ -530,13 +552,18 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         _validate_checkpoint_directory(checkpoint_path)
         saved = resume.read_saved(checkpoint_path)
         stage = int(self.config.get("zero_optimization", {}).get("stage", self.options.stage))
-        target = resume.Shape(world_size=self.world_size, ep_size=self.options.ep_size, stage=stage)
+        # The engine's own AutoEP layers say which ep_size runs (a config's autoep_size, or none when
+        # every block fell back), not the ep_size asked for.
+        target = resume.Shape(world_size=self.world_size, ep_size=resume.engine_ep_size(self.deepspeed_engine.module),
+                              stage=stage)
         blocks = {b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])}
-        if not resume.plan_resume(saved, target, blocks):
+        trainable = [n for n, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad]
+        if not resume.plan_resume(saved, target, blocks, trainable):
             return super().load_checkpoint(checkpoint_path, weights_only)
         return resume.load_on_new_shape(
             self.deepspeed_engine, saved, target, ep_section=self.config.get("expert_parallel"),
             layouts=self._block_layouts(), is_global_zero=self.is_global_zero, broadcast=self.broadcast,
+            agree=lambda ok: self.reduce_boolean_decision(ok, all=True),
             fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
             strict=self.lightning_module.strict_loading, info=rank_zero_info, warn=rank_zero_warn)
 

@@ -10,22 +10,23 @@ moments, which are elementwise) under the names the target model uses; the mappi
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from lightning_zeromoe.autoep_names import (EXPERT_WEIGHTS as _EXPERT_WEIGHTS, BlockNames, ResumeShapeError,
                                             block_names, fuse_experts, names_for, own_name, split_experts)
+from lightning_zeromoe.saved_checkpoint import SavedCheckpoint, load_model_states
 
-if TYPE_CHECKING:
-    from lightning_zeromoe.resume import SavedCheckpoint
 
 
 def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mapping[str, tuple[int, ...]],
                      target_ep_section: Mapping[str, Any] | None = None,
-                     layouts: Mapping[str, Any] | None = None) -> list[str]:
+                     layouts: Mapping[str, Any] | None = None,
+                     optional_params: Mapping[str, tuple[int, ...]] | None = None) -> list[str]:
     """Make every parameter the target engine will look up exist in the universal checkpoint.
 
     ``target_params``: the trainable parameters of the engine's module, name -> shape as DeepSpeed
@@ -34,19 +35,22 @@ def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mappin
     none to AutoEP (``target_ep_section`` names the blocks' tensors), the other way round.
     ``layouts`` (discovery's ``BlockLayout`` per block path) give each block's own names where the
     sections have aliases (a nested router such as HunYuan's ``gate.wg``). Idempotent. Returns the
-    names written. Raises listing what is still missing.
+    names written. Raises listing what is still missing. ``optional_params`` (the target's frozen
+    parameters) are written too where the checkpoint trained them, and never reported missing:
+    :mod:`lightning_zeromoe.module_state` restores them from there.
     """
     zero = uc_dir / saved.tag / "zero"
     written = []
-    target_blocks = sorted({n[:-len(".experts.w1")] for n in target_params if n.endswith(".experts.w1")})
+    wanted = {**(optional_params or {}), **target_params}
+    target_blocks = sorted({n[:-len(".experts.w1")] for n in wanted if n.endswith(".experts.w1")})
     if saved.experts and not target_blocks:
         section = block_names(saved.ep_section)
         for block in saved.experts:
-            written += _write_own_names(zero, block, names_for(block, section, layouts), target_params)
+            written += _write_own_names(zero, block, names_for(block, section, layouts), wanted)
     elif target_blocks and not saved.experts:
         section = block_names(target_ep_section or {})
         for block in target_blocks:
-            written += _write_autoep_names(zero, block, names_for(block, section, layouts), target_params)
+            written += _write_autoep_names(zero, block, names_for(block, section, layouts), wanted)
     missing = sorted(n for n in target_params if not (zero / n / "fp32.pt").is_file())
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
@@ -56,9 +60,29 @@ def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mappin
     return written
 
 
+#: A tensor's ``fp32.pt`` is written after its moments: where it exists, the rest does too (a kill
+#: half-way through leaves a tensor that is written again, never one that looks complete).
+_KEYS_FP32_LAST = ("exp_avg", "exp_avg_sq", "fp32")
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary name, then rename: a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _copytree_atomic(src: Path, dest: Path) -> None:
+    """Copy a tensor's directory under a temporary name, then rename it into place."""
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    os.replace(tmp, dest)
+
+
 def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: Mapping[str, tuple[int, ...]]) -> list[str]:
     written = []
-    for entry in sorted(p for p in zero.iterdir() if p.name.startswith(block + ".")):
+    for entry in sorted(p for p in zero.iterdir() if p.name.startswith(block + ".") and p.suffix != ".partial"):
         local = entry.name[len(block) + 1:]
         if local.startswith("experts."):
             continue
@@ -68,21 +92,21 @@ def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: M
                                    "resume with expert parallelism (ep_size > 1).")
         dest = zero / f"{block}.{own}"
         if not dest.exists():
-            shutil.copytree(entry, dest)
+            _copytree_atomic(entry, dest)
             written.append(dest.name)
     experts_prefix = f"{block}.{names.experts}."
     shapes = {n[len(experts_prefix):]: tuple(s) for n, s in target_params.items() if n.startswith(experts_prefix)}
     targets = [names.w1, names.w2] + ([names.w3] if names.w3 else [])
     if all((zero / (experts_prefix + t) / "fp32.pt").is_file() for t in targets):
         return written
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+    for key in _KEYS_FP32_LAST:
         parts = {}
         for w in _EXPERT_WEIGHTS:
             parts[w] = _load_state(zero / f"{block}.experts.{w}" / f"{key}.pt")
         for target, tensor in fuse_experts(parts["w1"], parts["w2"], parts["w3"], names, shapes).items():
             dest = zero / (experts_prefix + target)
             dest.mkdir(exist_ok=True)
-            torch.save({"param": tensor.contiguous()}, dest / f"{key}.pt")
+            _save_atomic({"param": tensor.contiguous()}, dest / f"{key}.pt")
     written += [experts_prefix + t for t in targets]
     return written
 
@@ -99,7 +123,7 @@ def saved_shapes(tag_dir: Path) -> dict[str, tuple[int, ...]]:
     """Full parameter shapes as the source run's model states list them (``param_shapes``), in the
     order its flat optimizer groups hold them."""
     files = sorted(tag_dir.glob("*_model_states.pt"))
-    state = torch.load(files[0], map_location="cpu", weights_only=False) if files else {}
+    state = load_model_states(files[0]) if files else {}
     return {name: tuple(shape) for group in state.get("param_shapes") or [] for name, shape in group.items()}
 
 
@@ -116,14 +140,14 @@ def _write_autoep_names(zero: Path, block: str, names: BlockNames,
         own = own_name(local, names)
         src, dest = zero / f"{block}.{own}", zero / name
         if own is not None and src.is_dir() and not dest.exists():
-            shutil.copytree(src, dest)
+            _copytree_atomic(src, dest)
             written.append(name)
     if all((zero / f"{block}.experts.{w}" / "fp32.pt").is_file() for w in _EXPERT_WEIGHTS):
         return written
     prefix = f"{block}.{names.experts}."
     sources = [n for n in (names.w1, names.w2, names.w3) if n]
     shapes = saved_shapes(zero.parent)  # ZeRO-3 universal files of dense tensors are flat
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+    for key in _KEYS_FP32_LAST:
         full = {}
         for n in sources:
             if prefix + n not in shapes:
@@ -134,7 +158,7 @@ def _write_autoep_names(zero: Path, block: str, names: BlockNames,
         for w, tensor in parts.items():
             dest = zero / f"{block}.experts.{w}"
             dest.mkdir(exist_ok=True)
-            torch.save({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
+            _save_atomic({PARAM: tensor.contiguous(), CAT_DIM: 0, EP_IS_EXPERT_PARAM: True,
                         EP_NUM_EXPERTS: int(tensor.shape[0])}, dest / f"{key}.pt")
     return written + [f"{block}.experts.{w}" for w in _EXPERT_WEIGHTS]
 

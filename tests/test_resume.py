@@ -18,9 +18,12 @@ Real Lightning launches of real DeepSpeed engines on CPU processes (gloo):
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -221,3 +224,73 @@ def test_deepspeed_private_flag_for_universal_loading_still_exists():
     with resume.universal_loading(Engine()):
         assert config.load_universal_checkpoint is True
     assert config.load_universal_checkpoint is False
+
+
+def test_a_parameter_frozen_since_the_save_takes_the_universal_path_on_the_same_shape():
+    """DeepSpeed's own load looks it up among the saved frozen parameters: a bare KeyError."""
+    saved = dataclasses.replace(_saved(), trainable=("embed.weight", "model.layers.0.mlp.gate.weight"))
+    shape, experts = resume.Shape(2, 2, 3), {"model.layers.0.mlp": 4}
+    assert resume.plan_resume(saved, shape, experts, ["embed.weight", "model.layers.0.mlp.gate.weight"]) is False
+    assert resume.plan_resume(saved, shape, experts, ["model.layers.0.mlp.gate.weight"]) is True
+
+
+def test_the_target_ep_size_is_the_engines_autoep_layers():
+    class Layer(torch.nn.Module):
+        _is_autoep_layer = True
+
+        def __init__(self, ep_size: int) -> None:
+            super().__init__()
+            self.ep_size = ep_size
+
+    assert resume.engine_ep_size(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 1  # every block fell back
+    assert resume.engine_ep_size(torch.nn.Sequential(Layer(2), Layer(2))) == 2
+    with pytest.raises(resume.ResumeShapeError, match=r"different ep_size \[2, 4\]"):
+        resume.engine_ep_size(torch.nn.Sequential(Layer(2), Layer(4)))
+
+
+def _converted(tmp_path: Path) -> tuple[resume.SavedCheckpoint, Path]:
+    """A source tag directory and a conversion whose marker records its fingerprint, as
+    ``ensure_universal`` writes it (the files' contents do not matter to the check)."""
+    tag_dir = tmp_path / "step=5.ckpt" / "checkpoint"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"states")
+    saved = resume.SavedCheckpoint(tag_dir.parent, "checkpoint", resume.Shape(2, 2, 3))
+    out = resume.universal_dir(saved)
+    out.mkdir()
+    (out / resume.MARKER).write_text(json.dumps({"source": resume._fingerprint(saved)}))
+    return saved, out
+
+
+def test_every_rank_checks_the_universal_directory_it_reads(tmp_path):
+    saved, out = _converted(tmp_path)
+    assert resume.universal_problem(out, saved) == ""
+    time.sleep(0.01)
+    (saved.tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"states, saved again")
+    assert "stale" in resume.universal_problem(out, saved)
+    (out / resume.MARKER).unlink()  # a node whose disk has no (complete) conversion
+    assert "missing or incomplete on this node" in resume.universal_problem(out, saved)
+
+
+def test_a_dead_conversions_leftovers_are_removed_and_its_lock_is_free(tmp_path):
+    """The lock is an ``flock``: a lock file left by a killed job does not block the next one."""
+    saved, out = _converted(tmp_path)
+    leftover = out.with_name(out.name + ".tmp-abc123")
+    (leftover / "checkpoint").mkdir(parents=True)
+    lock = out.with_name(out.name + ".lock")
+    lock.write_text("")  # left behind by a job that died holding it
+    said: list[str] = []
+    start = time.monotonic()
+    assert resume.ensure_universal(saved, {}, log=said.append) == (out, False)  # reused, not converted again
+    assert time.monotonic() - start < 5
+    assert not leftover.exists() and any("did not finish" in line for line in said)
+
+
+def test_disk_full_is_recognised_in_torchs_wording_and_by_errno():
+    from lightning_zeromoe.checkpoint.commit import is_disk_full
+
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert is_disk_full(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3264 vs 3156"))
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert is_disk_full(wrapped)
+    assert not is_disk_full(RuntimeError("CUDA out of memory"))
