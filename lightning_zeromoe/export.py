@@ -4,7 +4,13 @@ Hugging Face model directory (or one safetensors file) with the model's own para
     zeromoe-export CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--dtype auto|float32|bfloat16|float16]
     zeromoe-export CKPT_DIR OUT.safetensors          # one file
 
-Exit status: 0 written; 2 bad input (one line on stderr naming the problem and the fix).
+Exit status: 0 written; 2 refused or failed (one line on stderr, ``[<knowledge-base id>] ...``,
+naming the problem and the fix): bad input, an output path export may not write, a full disk.
+
+OUT is never the checkpoint, inside it or above it, and ``--overwrite`` replaces only an earlier
+export (a directory holding ``zeromoe_export.json``, or a ``.safetensors`` file this tool wrote).
+Files are written into ``.OUT.zeromoe-tmp-XXXXXXXX/`` beside OUT and renamed into place when
+complete; a killed run leaves only that directory, which the next run to the same OUT removes.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                     "Face model directory (config.json, sharded safetensors, index) that from_pretrained loads, "
                     "or one .safetensors file. The checkpoint is only read.")
     parser.add_argument("ckpt_dir", help="directory written by trainer.save_checkpoint(...) / ModelCheckpoint")
-    parser.add_argument("out", help="output directory to create, or a path ending in .safetensors for one file "
-                                    "(outside the checkpoint directory)")
+    parser.add_argument("out", help="output directory to create (or an empty one), or a path ending in "
+                                    ".safetensors for one file; not the checkpoint, inside it or above it")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="largest output shard, e.g. 5GB (default), 500MB")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -33,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-checkpoint", action="store_true",
                         help="allow unpickling objects other than tensors and known DeepSpeed/Lightning values; "
                              "this can run code from the checkpoint, use it only for checkpoints you trust")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export at OUT (a directory holding zeromoe_export.json and only "
+                             "the files it lists, or a .safetensors file zeromoe-export wrote); anything else at OUT "
+                             "is refused")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size

@@ -344,7 +344,11 @@ CHECKED = {
     "export-dtype": ["test_own_errors.py::test_export_dtype_refusals_name_their_entry"],
     "export-meta-version": ["test_export_units.py::test_meta_round_trips_and_refuses_other_versions"],
     "export-not-a-checkpoint": ["test_checkpoint.py::test_missing_directory"],
-    "export-output-path": ["test_checkpoint.py::test_export_dtype_and_no_silent_overwrite"],
+    "export-output-path": ["test_checkpoint.py::test_export_dtype_and_no_silent_overwrite",
+                           "test_export_safety.py::test_overwrite_never_removes_a_directory_that_holds_the_checkpoint"],
+    "export-disk-full": ["test_export_safety.py::test_full_disk_is_one_clear_error_and_leaves_everything_as_it_was"],
+    "checkpoint-disk-full": [
+        "test_checkpoint_faults.py::test_a_full_disk_on_one_rank_is_a_clear_error_and_the_earlier_checkpoint_survives"],
     "export-shard-corrupt": ["test_checkpoint.py::test_truncated_shard"],
     "export-shards-mismatch": ["test_checkpoint.py::test_missing_rank_shard"],
     "export-unsupported-model": ["test_export_units.py::test_lora_merge_and_adapter_names"],

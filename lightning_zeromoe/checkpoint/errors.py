@@ -11,6 +11,7 @@ OUTPUT_PATH = "export-output-path"
 META_VERSION = "export-meta-version"
 UNSUPPORTED_MODEL = "export-unsupported-model"
 BAD_DTYPE = "export-dtype"
+DISK_FULL = "export-disk-full"
 
 
 class ExportError(ValueError):

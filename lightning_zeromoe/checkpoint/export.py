@@ -6,15 +6,15 @@ one at a time from the memory-mapped rank files, cast, written, and dropped; the
 unmapped after every shard. Peak host memory is about one output shard plus the largest tensor
 (plus the pages of the fp32 sources read for that shard), whatever the model's size.
 
-No model code, no DeepSpeed, no process group; the source directory is only ever read, and the
-output appears (renamed from a ``.partial`` sibling) only once complete.
+No model code, no DeepSpeed, no process group; the source directory is only ever read. Where the
+output goes, what an existing OUT may be, and how a finished export is published (a work
+directory beside OUT, the marker ``zeromoe_export.json`` last, one rename) is :mod:`.output`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +22,8 @@ from typing import Any, Callable
 from lightning_zeromoe.checkpoint.errors import BAD_DTYPE, NOT_A_CHECKPOINT, OUTPUT_PATH, UNSUPPORTED_MODEL, ExportError
 from lightning_zeromoe.checkpoint.lora import adapter_config, split_lora
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExportMeta, read_meta
+from lightning_zeromoe.checkpoint.output import (MARKER_FORMAT, MARKER_VERSION, PRODUCER, Staging, check_existing,
+                                                 check_location, disk_full, real)
 from lightning_zeromoe.checkpoint.plan import OutputTensor, check_shape, plan_outputs
 from lightning_zeromoe.checkpoint.progress import Progress
 from lightning_zeromoe.checkpoint.sources import Reader, catalog
@@ -42,27 +44,34 @@ def export(ckpt_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: str = 
             ``checkpoint/`` with DeepSpeed's per-rank shards, ``zeromoe_meta.json``). ZeRO stage 1, 2
             or 3, with or without expert parallelism.
         out: A directory to create (Hugging Face layout: ``config.json``, ``model-0000k-of-0000n
-            .safetensors``, ``model.safetensors.index.json``; ``adapter/`` for a LoRA run), or a path
-            ending in ``.safetensors`` for one file. Never inside ``ckpt_dir``.
+            .safetensors``, ``model.safetensors.index.json``, ``zeromoe_export.json``; ``adapter/``
+            for a LoRA run), an empty directory, or a path ending in ``.safetensors`` for one file.
+            Never the checkpoint, inside it, or a directory that holds it.
         dtype: ``"auto"`` (the dtype the model trained in), ``"float32"`` (ZeRO-3: the fp32 master
             weights), ``"bfloat16"`` or ``"float16"``.
         max_shard_size: Largest output shard (``"5GB"``, ``"200MB"`` or bytes); a tensor larger
             than it gets a shard of its own.
-        overwrite: Replace an existing ``out``.
+        overwrite: Replace an earlier export at ``out`` (a directory holding ``zeromoe_export.json``
+            and only the files it lists, or a ``.safetensors`` file this exporter wrote). Anything
+            else at ``out`` is refused either way.
         trust_checkpoint: Allow a full unpickle of shards that hold objects other than tensors and
             known DeepSpeed/Lightning values. That can run code from the file: only for
             checkpoints you trust.
         progress: Progress bar and lines on stderr (True), quiet (False), or a callable for lines.
 
-    Returns the path written. Raises :class:`ExportError` for anything wrong with the input.
+    Returns the path written. Raises :class:`ExportError` for anything wrong with the input or
+    the output path, and for a full disk (then nothing is left behind and ``out`` is unchanged).
     """
     t0 = time.perf_counter()
     out = Path(out)
     single = out.suffix == ".safetensors"
     ckpt_dir, meta = locate(Path(ckpt_dir))
-    check_output(out, ckpt_dir, overwrite)
+    check_location(out, ckpt_dir)
     target = target_dtype(dtype, meta)
     report = Progress(progress)
+    staging = Staging(out, overwrite=overwrite, say=report.line)
+    staging.sweep()
+    check_existing(out, overwrite)
     cat = catalog(ckpt_dir, meta, trust_checkpoint=trust_checkpoint)
     report.line(f"reading {len(cat.files)} shard files of a ZeRO stage-{meta.zero_stage} checkpoint "
                 f"({meta.world_size} ranks, ep_size={meta.ep_size}) from {ckpt_dir / meta.tag}")
@@ -72,29 +81,32 @@ def export(ckpt_dir: str | os.PathLike, out: str | os.PathLike, *, dtype: str = 
         outputs, adapter = split_lora(outputs, meta.lora)
     if meta.outside_prefix:
         report.line(f"not exported, outside the model at '{meta.prefix[:-1]}': {', '.join(meta.outside_prefix[:5])}")
-    tmp = out.with_name(f".{out.name}.partial")
-    _remove(tmp)
+    needed = sum(_numel(o.shape) for o in outputs + adapter) * target.itemsize
     reader = Reader(trust_checkpoint=trust_checkpoint)
     try:
+        tmp = staging.open()
         if single:
-            write_shards(outputs, tmp, target, reader, report, max_shard_size=None, source=ckpt_dir, meta=meta)
+            write_shards(outputs, tmp / out.name, target, reader, report, max_shard_size=None, source=ckpt_dir,
+                         meta=meta)
         else:
-            tmp.mkdir()
             write_shards(outputs, tmp, target, reader, report, max_shard_size=max_shard_size, source=ckpt_dir,
                          meta=meta)
-            write_model_files(tmp, meta, target, ckpt_dir)
+            write_model_files(tmp, meta, target)
             if adapter:
                 (tmp / "adapter").mkdir()
                 write_shards(adapter, tmp / "adapter" / "adapter_model.safetensors", target, reader, report,
                              max_shard_size=None, source=ckpt_dir, meta=meta)
                 (tmp / "adapter" / "adapter_config.json").write_text(
                     json.dumps(adapter_config(meta.lora[0]), indent=2))
-        if out.exists():
-            _remove(out)
-        os.replace(tmp, out)
+        staging.commit(None if single else export_marker(meta, target, ckpt_dir))
+    except BaseException as err:
+        staging.abort()
+        full = disk_full(err, out, needed) if isinstance(err, Exception) and not isinstance(err, ExportError) else None
+        if full is not None:
+            raise full from None
+        raise
     finally:
         reader.release()
-        _remove(tmp)
     total = sum(_numel(o.shape) for o in outputs)
     report.line(f"wrote {len(outputs)} tensors ({total:,} values, {_name(target)}) to {out} in "
                 f"{time.perf_counter() - t0:.1f} s" + (f"; LoRA adapter ({len(adapter)} tensors) in {out / 'adapter'}"
@@ -110,7 +122,7 @@ def write_shards(outputs: list[OutputTensor], path: Path, dtype: Any, reader: Re
     from safetensors.torch import save_file
 
     by_name = {o.name: o for o in outputs}
-    info = {"format": "pt", "producer": "lightning_zeromoe.export", "source": str(source),
+    info = {"format": "pt", "producer": PRODUCER, "source": str(source),
             "model_class": meta.model.class_name, "dtype": _name(dtype)}
     if max_shard_size is None:
         files = {path.name: [o.name for o in outputs]}
@@ -129,26 +141,27 @@ def write_shards(outputs: list[OutputTensor], path: Path, dtype: Any, reader: Re
         path = path / "_"  # shards sit next to each other in the directory
     total = sum(_numel(o.shape) for o in outputs) * dtype.itemsize
     bar = report.bar(total, f"{len(files)} shard(s)")
-    for filename, names in files.items():
-        state = {}
-        for name in names:
-            out = by_name[name]
-            tensor = out.build(reader)
-            check_shape(out, tensor)
-            state[name] = tensor.to(dtype).contiguous()
-            del tensor
-            bar.advance(state[name].numel() * dtype.itemsize)
-        save_file(state, str(path.with_name(filename)), metadata=info)
-        del state
-        reader.release()
-    bar.close()
+    try:
+        for filename, names in files.items():
+            state = {}
+            for name in names:
+                out = by_name[name]
+                tensor = out.build(reader)
+                check_shape(out, tensor)
+                state[name] = tensor.to(dtype).contiguous()
+                del tensor
+                bar.advance(state[name].numel() * dtype.itemsize)
+            save_file(state, str(path.with_name(filename)), metadata=info)
+            del state
+            reader.release()
+    finally:
+        bar.close()  # also when a write fails: the live display must not outlive the export
     if index is not None:
         (path.with_name("model.safetensors.index.json")).write_text(json.dumps(index, indent=2))
 
 
-def write_model_files(out_dir: Path, meta: ExportMeta, dtype: Any, source: Path) -> None:
-    """``config.json`` and ``generation_config.json`` from the meta, and ``zeromoe_export.json``
-    (where the weights and the tokenizer come from)."""
+def write_model_files(out_dir: Path, meta: ExportMeta, dtype: Any) -> None:
+    """``config.json`` and ``generation_config.json`` from the meta."""
     if meta.model.config is not None:
         config = dict(meta.model.config)
         if meta.model.config_kind == "transformers":
@@ -159,10 +172,16 @@ def write_model_files(out_dir: Path, meta: ExportMeta, dtype: Any, source: Path)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if meta.model.generation_config:
         (out_dir / "generation_config.json").write_text(json.dumps(meta.model.generation_config, indent=2))
-    (out_dir / "zeromoe_export.json").write_text(json.dumps({
-        "source": str(source), "model_class": meta.model.class_name, "dtype": _name(dtype),
-        "tokenizer": meta.model.name_or_path, "zero_stage": meta.zero_stage, "world_size": meta.world_size,
-        "ep_size": meta.ep_size, "frozen": meta.frozen, "trained_with": meta.versions}, indent=2))
+
+
+def export_marker(meta: ExportMeta, dtype: Any, source: Path) -> dict[str, Any]:
+    """What ``zeromoe_export.json`` records (:meth:`.Staging.commit` adds ``files``, name -> bytes,
+    and writes it last): where the weights and the tokenizer come from, and when."""
+    return {"format": MARKER_FORMAT, "version": MARKER_VERSION, "source": str(real(source)), "tag": meta.tag,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model_class": meta.model.class_name,
+            "dtype": _name(dtype), "tokenizer": meta.model.name_or_path, "zero_stage": meta.zero_stage,
+            "world_size": meta.world_size, "ep_size": meta.ep_size, "frozen": meta.frozen,
+            "trained_with": meta.versions}
 
 
 def locate(path: Path) -> tuple[Path, ExportMeta]:
@@ -191,7 +210,11 @@ def locate(path: Path) -> tuple[Path, ExportMeta]:
                           "model's own names: " + "; ".join(meta.unsupported) + ". Convert it with DeepSpeed's "
                           "ds_to_universal instead (AutoEP names), or report the model to lightning_zeromoe.")
     latest = path / "latest"
-    if latest.is_file() and latest.read_text().strip() != meta.tag:
+    if not latest.is_file():
+        raise ExportError(NOT_A_CHECKPOINT, f"{path} has no 'latest' file: the save that wrote it did not finish (a "
+                          "rank was killed or its disk filled up while writing), so its shards may mix two saves. "
+                          "Export an earlier checkpoint, or load the run and save again.")
+    if latest.read_text().strip() != meta.tag:
         raise ExportError(NOT_A_CHECKPOINT, f"{latest} names tag {latest.read_text().strip()!r} but {META_FILE} "
                           f"describes {meta.tag!r}: the directory mixes two saves. Export a directory written by one "
                           "trainer.save_checkpoint(...).")
@@ -199,15 +222,9 @@ def locate(path: Path) -> tuple[Path, ExportMeta]:
 
 
 def check_output(out: Path, ckpt_dir: Path, overwrite: bool) -> None:
-    resolved = out.resolve()
-    if resolved == ckpt_dir.resolve() or ckpt_dir.resolve() in resolved.parents:
-        raise ExportError(OUTPUT_PATH, f"refusing to write {out} inside the checkpoint directory {ckpt_dir}: the source "
-                          "checkpoint is never modified. Choose a path outside it.")
-    if out.exists() and not overwrite:
-        raise ExportError(OUTPUT_PATH, f"{out} already exists. Choose another path, or pass --overwrite "
-                          "(overwrite=True) to replace it.")
-    if not out.parent.is_dir():
-        raise ExportError(OUTPUT_PATH, f"output directory {out.parent} does not exist. Create it first.")
+    """Refuse an output path export may not write (see :mod:`.output`); changes nothing."""
+    check_location(out, ckpt_dir)
+    check_existing(out, overwrite)
 
 
 def target_dtype(dtype: str, meta: ExportMeta) -> Any:
@@ -221,13 +238,6 @@ def target_dtype(dtype: str, meta: ExportMeta) -> Any:
                           f"{meta.dtype} (its fp32 master copies are split across the optimizer shards, which export "
                           "does not reassemble for stage 1/2); float32 would only be an upcast. Use --dtype auto.")
     return getattr(torch, name)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def _name(dtype: Any) -> str:

@@ -14,7 +14,10 @@ doctor uses the same threshold.
 from __future__ import annotations
 
 import os
-import resource
+try:  # POSIX only
+    import resource
+except ImportError:  # Windows: no ulimit to read
+    resource = None  # type: ignore[assignment]
 from pathlib import Path
 
 from troubleshooter import knowledge
@@ -157,9 +160,11 @@ def shm_result(path: str) -> CheckResult:
 
 def memlock_result() -> CheckResult:
     """The soft RLIMIT_MEMLOCK (ulimit -l)."""
+    title = "Locked-memory limit (ulimit -l)"
+    if resource is None or not hasattr(resource, "RLIMIT_MEMLOCK"):
+        return CheckResult("host.memlock", title, "skip", "no RLIMIT_MEMLOCK on this system")
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     details = {"soft": soft, "hard": hard}
-    title = "Locked-memory limit (ulimit -l)"
     if soft == resource.RLIM_INFINITY or soft >= MEMLOCK_OK_BYTES:
         shown = "unlimited" if soft == resource.RLIM_INFINITY else gib(soft)
         return CheckResult("host.memlock", title, "ok", shown, details=details)
