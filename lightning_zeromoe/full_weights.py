@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
+from lightning_zeromoe._private import torch as torch_private
 from lightning_zeromoe.autoep_names import (EXPERT_WEIGHTS as _EXPERT_WEIGHTS, ResumeShapeError, autoep_layers,
                                             block_names, local_experts, names_for, own_name, split_experts)
 
@@ -70,7 +71,7 @@ def load_gathered(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor
     """
     import deepspeed
 
-    metadata = getattr(state_dict, "_metadata", None)
+    metadata = torch_private.state_dict_metadata(state_dict)
     missing: list[str] = []
     unexpected: list[str] = []
     errors: list[str] = []
@@ -78,8 +79,8 @@ def load_gathered(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor
     def load(mod: torch.nn.Module, prefix: str) -> None:
         local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
         with deepspeed.zero.GatheredParameters(list(mod.parameters(recurse=False)), modifier_rank=0):
-            mod._load_from_state_dict(dict(state_dict), prefix, local_metadata, True, missing, unexpected, errors)
-        for name, child in mod._modules.items():
+            torch_private.load_own_state(mod, dict(state_dict), prefix, local_metadata, missing, unexpected, errors)
+        for name, child in torch_private.child_table(mod).items():
             if child is not None:
                 load(child, prefix + name + ".")
 

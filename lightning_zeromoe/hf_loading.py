@@ -47,6 +47,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from lightning_zeromoe._private import transformers as hf_private
 from lightning_zeromoe.expert_fusion import convert_row, copy_range_into_partition, load_expert_rows, split_expert_rows
 from lightning_zeromoe.memory_release import FilePages, trim_heap
 
@@ -88,27 +89,26 @@ def transformers_zero3(ds_config: Mapping[str, Any] | None) -> Iterator[None]:
         yield
         return
     try:
-        from transformers import modeling_utils
         from transformers.integrations import deepspeed as hf_ds
     except ImportError:
         yield
         return
-    previous_ref = hf_ds._hf_deepspeed_config_weak_ref
+    previous_ref = hf_private.deepspeed_config_ref()
     flag = _Zero3Flag(ds_config)
-    original = modeling_utils._load_state_dict_into_zero3_model
+    original = hf_private.zero3_loader()
     hf_ds.set_hf_deepspeed_config(flag)
-    modeling_utils._load_state_dict_into_zero3_model = _partition_loader(original)
+    hf_private.set_zero3_loader(_partition_loader(original))
     finder = ImportOutsideZeroInit()
     sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
         sys.meta_path.remove(finder)
-        modeling_utils._load_state_dict_into_zero3_model = original
+        hf_private.set_zero3_loader(original)
         if previous_ref is None:
             hf_ds.unset_hf_deepspeed_config()
         else:
-            hf_ds._hf_deepspeed_config_weak_ref = previous_ref
+            hf_private.set_deepspeed_config_ref(previous_ref)
 
 
 class ImportOutsideZeroInit(importlib.abc.MetaPathFinder):
@@ -202,11 +202,9 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     Within a layer, fused experts are converted one expert at a time, and only the experts this
     rank's partition holds (:mod:`lightning_zeromoe.expert_fusion`).
     """
-    from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
-
     weight_mapping = getattr(load_config, "weight_mapping", None)
     if weight_mapping:
-        model._weight_conversions = weight_mapping  # transformers keeps it for save_pretrained
+        hf_private.keep_weight_conversions(model, weight_mapping)
     targets: dict[str, tuple[torch.Tensor, bool]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         targets[name] = (param, True)
@@ -226,12 +224,12 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
             for item in per_expert:
                 if load_expert_rows(item, state_dict, partial(convert_row, item, model=model), pages.release):
                     missing.discard(item.target)
-                    item.param._is_hf_initialized = True
+                    hf_private.mark_loaded(item.param)
                 else:
                     keys = keys + item.keys
         group = {k: state_dict[k] for k in keys}
         if weight_mapping:
-            group = _apply_weight_conversions_to_state_dict(model, group, weight_mapping)
+            group = hf_private.apply_weight_conversions(model, group, weight_mapping)
             for k in keys:  # consumed by a conversion (fused into a new tensor): its file pages are done
                 if k not in group:
                     pages.release(state_dict[k])
@@ -249,11 +247,11 @@ def load_into_partitions(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                 if error:
                     errors.append(error)
                 else:
-                    tensor_._is_hf_initialized = True
+                    hf_private.mark_loaded(tensor_)
             else:
                 with torch.no_grad():
                     tensor_.copy_(tensor)
-                tensor_._is_hf_initialized = True
+                hf_private.mark_loaded(tensor_)
             pages.release(tensor)
             del tensor
         for k in keys:

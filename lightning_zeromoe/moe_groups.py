@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from lightning_zeromoe._private import torch as torch_private
+
 #: Per-param-group lists torch's LR schedulers keep (torch 2.13 ``optim/lr_scheduler.py``).
 SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "_initial_lrs")
 
@@ -83,7 +85,7 @@ class MoEOptimizerSplit:
 
 def remap_scheduler(scheduler: Any, origins: list[int], before: int) -> None:
     """Give each new param group its origin's per-group scheduler values (recursing into chains)."""
-    for child in getattr(scheduler, "_schedulers", None) or []:
+    for child in torch_private.chained_schedulers(scheduler):
         remap_scheduler(child, origins, before)
     for name in SCHEDULER_PER_GROUP:
         values = getattr(scheduler, name, None)

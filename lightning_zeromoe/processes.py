@@ -3,7 +3,7 @@ and the ranks Lightning launched.
 
 Used by :class:`~lightning_zeromoe.strategy.ZeroMoEStrategy`, and by the troubleshooter's
 reproductions and tests (which import it lazily). The private torch calls live in
-:mod:`lightning_zeromoe._torch_private`.
+:mod:`lightning_zeromoe._private.torch`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ def apply_timeout_to_all_groups(timeout: timedelta | None) -> int:
     ``torch.distributed.new_group(ranks)`` and no timeout, so they get the backend default
     (torch 2.13: 30 min for gloo, 10 min for NCCL), not the world group's. A rank stuck in an
     expert all-to-all would then wait for that default instead of ``timeout``. Returns how many
-    groups were updated. The private torch calls live in :mod:`lightning_zeromoe._torch_private`.
+    groups were updated. The private torch calls live in :mod:`lightning_zeromoe._private.torch`.
     """
     if timeout is None or not torch.distributed.is_initialized():
         return 0
-    from lightning_zeromoe import _torch_private
+    from lightning_zeromoe._private import torch as _torch_private
 
     missing = _torch_private.missing_private_api()
     if missing:
@@ -62,7 +62,7 @@ def stop_launched_ranks(launcher: Any, grace: float) -> None:
 
 def group_timeout(group: Any) -> timedelta | None:
     """The collective timeout a process group's backend will use (for tests and the doctor)."""
-    from lightning_zeromoe._torch_private import group_timeout as read
+    from lightning_zeromoe._private.torch import group_timeout as read
 
     return read(group)
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe.autoep_names import ENTRY_ID, ResumeShapeError, autoep_layers
 from lightning_zeromoe.saved_checkpoint import SavedCheckpoint, Shape, read_saved
 from lightning_zeromoe.universal_names import add_target_names, saved_shapes
@@ -227,23 +228,9 @@ def _run_ds_to_universal(input_folder: Path, output_folder: Path) -> None:
 
 
 
-@contextlib.contextmanager
-def universal_loading(engine: Any) -> Iterator[None]:
-    """Let an engine built without ``checkpoint.load_universal`` load one universal checkpoint.
-
-    DeepSpeed reads the flag from ``engine._config.load_universal_checkpoint`` (a private
-    attribute, touched only here; ``tests/test_resume.py`` fails loudly if an upgrade removes it).
-    """
-    config = engine._config
-    if not hasattr(config, "load_universal_checkpoint"):
-        raise RuntimeError("This DeepSpeed has no DeepSpeedConfig.load_universal_checkpoint; resume on another shape "
-                           "needs deepspeed with universal checkpoints (0.19.8 is tested).")
-    previous = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
-        yield
-    finally:
-        config.load_universal_checkpoint = previous
+#: Let an engine built without ``checkpoint.load_universal`` load one universal checkpoint (it sets
+#: DeepSpeed's private ``engine._config.load_universal_checkpoint`` for the duration).
+universal_loading = ds_private.universal_checkpoint_loading
 
 
 def repair_optimizer_after_universal_load(engine: Any, uc_dir: Path, tag: str) -> list[str]:

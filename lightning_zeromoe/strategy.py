@@ -35,7 +35,9 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_zeromoe._torch_private import remove_hooks_defined_in
+from lightning_zeromoe._private import lightning as lightning_private
+from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API
+from lightning_zeromoe._private.torch import remove_hooks_defined_in
 from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keywords
@@ -51,11 +53,8 @@ if TYPE_CHECKING:
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
-#: Private ``DeepSpeedStrategy`` members this class overrides or relies on
-#: (``tests/test_lightning_internals.py`` checks they still exist: a Lightning upgrade that renames
-#: one fails there, loudly, instead of our override silently never being called).
-PARENT_PRIVATE_API = ("_configure_launcher", "_setup_model_and_optimizer", "_initialize_deepspeed_inference",
-                            "_init_deepspeed_distributed", "_config_initialized", "_set_deepspeed_activation_checkpointing")
+# PARENT_PRIVATE_API (lightning_zeromoe._private.lightning): the private DeepSpeedStrategy members this
+# class overrides or relies on; tests/test_lightning_internals.py checks they still exist.
 
 
 class ZeroMoEStrategy(DeepSpeedStrategy):
@@ -208,7 +207,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if self.resolved is None:
             self.config = zero_init_config(self.options, auto_stage=self.auto_stage,
                                            keyword_sections=self._keyword_sections(), user=self.user_config)
-            self._config_initialized = False
+            lightning_private.rebuild_config(self)
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.
         DDPStrategy.setup_environment(self)
 
@@ -219,7 +218,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         # The parent validates CUDA device indices, which CPU devices do not have.
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        lightning_private.init_distributed(self)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -251,12 +250,13 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def init_deepspeed(self) -> None:
         super().init_deepspeed()
         # deepspeed.initialize has created the expert-parallel groups by now.
-        apply_timeout_to_all_groups(self._timeout)
+        apply_timeout_to_all_groups(lightning_private.collective_timeout(self))
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        stop_launched_ranks(self.launcher, grace=min(10.0, self._timeout.total_seconds() if self._timeout else 10.0))
+        timeout = lightning_private.collective_timeout(self)
+        stop_launched_ranks(self.launcher, grace=min(10.0, timeout.total_seconds() if timeout else 10.0))
 
     # ------------------------------------------------------------------ config
 
@@ -272,7 +272,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             raise RuntimeError("ZeroMoEStrategy needs a LightningModule: use it through Trainer.fit/validate/test.")
         if self.resolved is not None and self._resolved_for is module:
             self.config = dict(self.resolved.config)
-            self._config_initialized = False
+            lightning_private.rebuild_config(self)
             return
         self.discovery = discover(module, self.moe_pattern)
         world = World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
@@ -287,7 +287,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         for note in self.resolved.notes:
             self._once.info(note)
         self.config = dict(self.resolved.config)
-        self._config_initialized = False  # Lightning adds batch size, accumulation, clipping, precision
+        lightning_private.rebuild_config(self)  # Lightning adds batch size, accumulation, clipping, precision
 
     def _keyword_sections(self) -> dict[str, Any]:
         return self.keywords.config_sections(offload_optimizer=self.options.offload_optimizer,
@@ -312,7 +312,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, self.num_processes)
 
     def _accumulate_grad_batches(self) -> int:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = lightning_private.trainer_of(self.lightning_module)
         return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
 
     @property
@@ -541,7 +541,6 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """
         if self.load_full_weights and self.zero_stage_3:
             return super().load_checkpoint(checkpoint_path, weights_only)
-        from lightning.pytorch.strategies.deepspeed import _validate_checkpoint_directory
         from lightning.pytorch.trainer.states import TrainerFn
 
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
@@ -549,7 +548,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
         from lightning_zeromoe import resume
 
-        _validate_checkpoint_directory(checkpoint_path)
+        lightning_private.validate_checkpoint_directory(checkpoint_path)
         saved = resume.read_saved(checkpoint_path)
         stage = int(self.config.get("zero_optimization", {}).get("stage", self.options.stage))
         # The engine's own AutoEP layers say which ep_size runs (a config's autoep_size, or none when

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_zeromoe._private import torch as torch_private
+
 
 def move_buffers_to_device(root: nn.Module, device: torch.device | str) -> list[str]:
     """Move every buffer (never a parameter) that is not on ``device`` there; return their names.
@@ -28,14 +30,15 @@ def move_buffers_to_device(root: nn.Module, device: torch.device | str) -> list[
     moved_by_id: dict[int, torch.Tensor] = {}
     names = []
     for mod_name, module in root.named_modules(remove_duplicate=False):
-        for key, buf in list(module._buffers.items()):
+        buffers = torch_private.own_buffers(module)
+        for key, buf in list(buffers.items()):
             if buf is None or _same_device(buf.device, device):
                 continue
             new = moved_by_id.get(id(buf))
             if new is None:
                 new = moved_by_id[id(buf)] = buf.to(device)
                 names.append(f"{mod_name}.{key}" if mod_name else key)
-            module._buffers[key] = new
+            buffers[key] = new
     return names
 
 
@@ -70,7 +73,7 @@ _SKIP_SUFFIXES = (os.path.join("utilities", "device_dtype_mixin.py"), os.path.jo
 def _requested(method: str, args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.dtype | None, bool]:
     """What a move call asks for: (device or None, dtype or None, whether anything else changes)."""
     if method == "to":
-        device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, _non_blocking, memory_format = torch_private.parse_to(*args, **kwargs)
         return device, dtype, memory_format is not None
     if method == "cuda":
         index = args[0] if args else kwargs.get("device")

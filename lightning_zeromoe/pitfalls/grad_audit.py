@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe import collectives
+from lightning_zeromoe._private import torch as torch_private
 from lightning_zeromoe.pitfalls.sharing import parameter_paths
 
 @dataclass(frozen=True)
@@ -128,8 +129,8 @@ class GradAudit:
                     gathered[p.data.data_ptr()] = p
             if not gathered:
                 return
-            params = {id(p) for p in module._parameters.values() if p is not None}
-            buffers = {id(b) for b in module._buffers.values() if b is not None}
+            params = {id(p) for p in torch_private.own_parameters(module).values() if p is not None}
+            buffers = {id(b) for b in torch_private.own_buffers(module).values() if b is not None}
             for attr, value in vars(module).items():
                 for suffix, t in _tensors_in(value):
                     if id(t) in params or id(t) in buffers or t.numel() == 0:

@@ -11,6 +11,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from lightning_zeromoe._private import deepspeed as ds_private
+from lightning_zeromoe._private import torch as torch_private
+
 
 @dataclass(frozen=True)
 class TiedParameter:
@@ -65,8 +68,8 @@ def find_tied_parameters(root: nn.Module) -> list[TiedParameter]:
 def find_external_uses(root: nn.Module, registered_by_strategy: Iterable[tuple[str, str]] = ()) -> list[ExternalUse]:
     """Parameters registered on a module (in DeepSpeed's registry) that the module does not hold itself.
 
-    Reads DeepSpeed's own registry, ``module._external_params`` (filled by
-    ``register_external_parameter``), so it reports exactly what ZeRO-3 will fetch with each module.
+    Reads DeepSpeed's own registry (:func:`lightning_zeromoe._private.deepspeed.external_params`, filled
+    by ``register_external_parameter``), so it reports exactly what ZeRO-3 will fetch with each module.
     The registry is filled at run time, during the first forward: call this after one step.
     Returns nothing for a model that is not wrapped by ZeRO-3.
     """
@@ -74,10 +77,10 @@ def find_external_uses(root: nn.Module, registered_by_strategy: Iterable[tuple[s
     paths = parameter_paths(root)
     uses = []
     for mod_name, module in root.named_modules():
-        registry = getattr(module, "_external_params", None)
+        registry = ds_private.external_params(module)
         if not registry:
             continue
-        own = {id(p) for p in module._parameters.values() if p is not None}
+        own = {id(p) for p in torch_private.own_parameters(module).values() if p is not None}
         for param in registry.values():
             if id(param) in own:
                 continue  # the module holds it itself (registered as well): not an outside use

@@ -73,7 +73,7 @@ def subgroup_stage():
     try:
         sub = dist.new_group([0])
         def timeout_of(group):
-            from lightning_zeromoe._torch_private import group_timeout
+            from lightning_zeromoe._private.torch import group_timeout
             return group_timeout(group).total_seconds()
         return {"backend": "gloo", "world_size": 1,
                 "requested_world_timeout_s": world_timeout.total_seconds(),
@@ -82,7 +82,7 @@ def subgroup_stage():
                 "backend_default_s": c10d._get_default_timeout(dist.Backend("gloo")).total_seconds(),
                 "nccl_default_s": (c10d.default_pg_nccl_timeout.total_seconds()
                                    if c10d.default_pg_nccl_timeout else None),
-                "read_via": "lightning_zeromoe._torch_private.group_timeout"}
+                "read_via": "lightning_zeromoe._private.torch.group_timeout"}
     finally:
         dist.destroy_process_group()
 

@@ -25,24 +25,23 @@ def main() -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     # A generous rendezvous, then the short timeout the user asked for on the world group.
     dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=120))
     timeout = timedelta(seconds=args.timeout)
     from lightning_zeromoe import collectives
-    from lightning_zeromoe._torch_private import group_timeout, set_group_timeout
+    from lightning_zeromoe._private.torch import default_group, group_timeout, set_group_timeout
 
-    set_group_timeout(timeout, c10d._get_default_group())
+    set_group_timeout(timeout, default_group())
     expert_group = dist.new_group([0, 1])  # what deepspeed/utils/groups.py does
     if args.fix:
-        from lightning_zeromoe.strategy import apply_timeout_to_all_groups
+        from lightning_zeromoe.processes import apply_timeout_to_all_groups
 
         apply_timeout_to_all_groups(timeout)
     collectives.barrier()
 
-    record = {"rank": args.rank, "world_timeout": group_timeout(c10d._get_default_group()).total_seconds(),
+    record = {"rank": args.rank, "world_timeout": group_timeout(default_group()).total_seconds(),
               "expert_group_timeout": group_timeout(expert_group).total_seconds()}
     if args.rank == 1:
         time.sleep(args.stuck_for)

@@ -1,0 +1,100 @@
+"""The only place that touches transformers' private names (transformers 5.22 is what they were read from).
+
+* ``modeling_utils._load_state_dict_into_zero3_model``: the ZeRO-3 loader ``from_pretrained`` calls;
+  replaced for the duration of ``configure_model`` by the partition-aware one.
+* ``integrations.deepspeed._hf_deepspeed_config_weak_ref``: what ``is_deepspeed_zero3_enabled()``
+  reads; saved and put back around that.
+* ``integrations.deepspeed._apply_weight_conversions_to_state_dict``: transformers' own checkpoint
+  conversions (fusing per-expert tensors), run one layer at a time.
+* ``model._weight_conversions``: the conversions a load used, which ``save_pretrained`` reverts.
+* ``tensor._is_hf_initialized``: the flag by which ``_init_weights`` skips a loaded tensor. A
+  rename would silently re-initialise every loaded weight: :func:`missing` checks that
+  ``modeling_utils`` still reads it.
+* ``config._name_or_path``: where a model was loaded from, recorded in the export metadata.
+* ``PreTrainedModel._can_record_outputs``: which submodules' outputs ``output_router_logits`` records.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+NAMES = ("_load_state_dict_into_zero3_model", "_hf_deepspeed_config_weak_ref", "_apply_weight_conversions_to_state_dict",
+         "_weight_conversions", "_is_hf_initialized", "_name_or_path", "_can_record_outputs")
+
+
+def missing() -> list[str]:
+    """The private transformers names this installation lacks (empty when everything is there)."""
+    from transformers import PretrainedConfig, PreTrainedModel, core_model_loading, modeling_utils
+    from transformers.integrations import deepspeed as hf_ds
+
+    gone = []
+    if not callable(getattr(modeling_utils, "_load_state_dict_into_zero3_model", None)):
+        gone.append("modeling_utils._load_state_dict_into_zero3_model")
+    for name in ("_hf_deepspeed_config_weak_ref", "_apply_weight_conversions_to_state_dict"):
+        if not hasattr(hf_ds, name):
+            gone.append(f"integrations.deepspeed.{name}")
+    if "_is_hf_initialized" not in inspect.getsource(modeling_utils):
+        gone.append("modeling_utils reads tensor._is_hf_initialized")
+    if "model._weight_conversions" not in inspect.getsource(core_model_loading):
+        gone.append("core_model_loading keeps model._weight_conversions")
+    if not hasattr(PretrainedConfig(), "_name_or_path"):
+        gone.append("PretrainedConfig._name_or_path")
+    if not hasattr(PreTrainedModel, "_can_record_outputs"):
+        gone.append("PreTrainedModel._can_record_outputs")
+    return gone
+
+
+def zero3_loader() -> Callable[..., Any]:
+    """``from_pretrained``'s ZeRO-3 state-dict loader now in place."""
+    from transformers import modeling_utils
+
+    return modeling_utils._load_state_dict_into_zero3_model
+
+
+def set_zero3_loader(loader: Callable[..., Any]) -> None:
+    """Make ``from_pretrained`` load ZeRO-3 models with ``loader``."""
+    from transformers import modeling_utils
+
+    modeling_utils._load_state_dict_into_zero3_model = loader
+
+
+def deepspeed_config_ref() -> Any:
+    """What ``is_deepspeed_zero3_enabled()`` reads now (a weak reference, or ``None``)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    return hf_ds._hf_deepspeed_config_weak_ref
+
+
+def set_deepspeed_config_ref(ref: Any) -> None:
+    """Put back a reference returned by :func:`deepspeed_config_ref`."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
+def apply_weight_conversions(model: Any, state_dict: dict[str, Any], weight_mapping: Any) -> dict[str, Any]:
+    """transformers' own checkpoint conversions on part of a state dict."""
+    from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
+
+    return _apply_weight_conversions_to_state_dict(model, state_dict, weight_mapping)
+
+
+def keep_weight_conversions(model: Any, weight_mapping: Any) -> None:
+    """Record on ``model`` the conversions its checkpoint went through (``save_pretrained`` reverts them)."""
+    model._weight_conversions = weight_mapping
+
+
+def mark_loaded(tensor: Any) -> None:
+    """Tell ``from_pretrained`` not to initialise ``tensor``: it was loaded."""
+    tensor._is_hf_initialized = True
+
+
+def name_or_path(config: Any) -> str:
+    """Where a model's config was loaded from ("" when built from scratch)."""
+    return getattr(config, "_name_or_path", "") or ""
+
+
+def recorded_outputs(model: Any) -> dict[str, Any]:
+    """``_can_record_outputs`` of a model class: output name -> what records it (empty when none)."""
+    return dict(getattr(model, "_can_record_outputs", None) or {})
