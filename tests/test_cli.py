@@ -90,7 +90,19 @@ def test_lint_seed_config_json_exits_1(env):
     [error] = [f for f in data["findings"] if f["severity"] == "error"]
     assert (error["rule"], error["line"], error["col"], error["fix_id"]) == ("batch-arithmetic", 1, 3, "set-all-three")
     [moe] = [f for f in data["findings"] if f["rule"] == "moe-config-block-ignored"]
-    assert moe["severity"] == "warning" and len(moe["notes"]) == 8
+    assert moe["severity"] == "warning" and len(moe["notes"]) == 10  # a note per key, then fp16 and ep_size
+    assert moe["note_ids"][-2:] == ["note-fp16", "note-ep-size-divides"]
+
+
+def test_lint_json_stays_clean_when_a_rename_is_checked_against_deepspeed(env, tmp_path):
+    """The rename check imports DeepSpeed (which logs to stdout at import): --json must stay JSON."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "wall_clock_breakdwn": true, "comms_log": "verbose"}')
+    proc = run(["lint", str(path), "--json"], env)
+    data = json.loads(proc.stdout)  # nothing but the JSON on stdout
+    messages = {f["path"]: f["message"] for f in data["findings"]}
+    assert "Did you mean 'wall_clock_breakdown'?" in messages["wall_clock_breakdwn"]
+    assert "Did you mean" not in messages["comms_log"]
 
 
 def test_lint_for_lightning_refuses_what_deepspeed_accepts(env, tmp_path):

@@ -58,6 +58,22 @@ INLINE_SAMPLES = {
     # torch's DataLoader worker bus-error message (a string in libtorch_python).
     "shm-too-small": ["ERROR: Unexpected bus error encountered in worker. This might be caused by "
                       "insufficient shared memory (shm)."],
+    # gloo's abort on a collective size mismatch (strings in libtorch_cpu; reproduced with two CPU
+    # ranks all-gathering different sizes; tests/test_knowledge_claims.py reads the strings).
+    "zero3-moe-gather-mismatch": [
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+        "/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 16 vs 8. "
+        "Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?"],
+    # NCCL's wording (no CUDA build here; as public reports print it) inside DeepSpeed's MoE all-to-all.
+    "nccl-all-to-all-error": [
+        '  File "/x/site-packages/deepspeed/moe/sharded_moe.py", line 104, in forward\n'
+        "    dist.all_to_all_single(output, input, group=group)\n"
+        "torch.distributed.DistBackendError: NCCL error in: /x/ProcessGroupNCCL.cpp:3356, unhandled system "
+        "error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclSystemError: System call failed"],
+    # CPython's wording for a parameter ZeRO-3 never converted (triggered in test_knowledge_claims.py).
+    "zero3-param-not-converted": ["AttributeError: 'Parameter' object has no attribute 'ds_numel'"],
+    # A printed AutoEP counter (AutoEPMoELayer.tokens_per_expert) of a collapsed router.
+    "router-collapse": ["tokens_per_expert: tensor([3907,   12,   40,   61])"],
 }
 
 
@@ -86,6 +102,9 @@ def _from_sources() -> dict[str, list[str]]:
                                                             "Do not set `gradient_accumulation_steps`")],
         "cuda-home-missing": [_source_message("deepspeed/ops/op_builder/builder.py", "Unable to run {nvcc}",
                                               nvcc="/usr/local/cuda/bin/nvcc")],
+        "native-moe-gating-assert": [_source_message("deepspeed/moe/sharded_moe.py", "No. of tokens (batch-size)")],
+        "ds-to-universal-mismatch": [_source_message("deepspeed/checkpoint/ds_to_universal.py",
+                                                     "checkpoint model/optimizer rank sets do not match")],
     }
 
 
@@ -113,7 +132,7 @@ def test_required_entries_exist_and_are_complete():
 def test_every_entry_with_patterns_is_matched_by_real_text():
     corpus = _corpus()
     matched = {m.entry.id for _, text in corpus for m in knowledge.match(text)}
-    with_patterns = {e.id for e in knowledge.load_entries() if e.patterns}
+    with_patterns = {e.id for e in knowledge.load_entries() if e.patterns or e.contextual}
     from test_own_errors import OWN_PATTERNS  # fed the real messages there
 
     assert with_patterns - matched - OWN_PATTERNS == set()
@@ -124,7 +143,9 @@ def test_anchor_prefilter_never_hides_a_match():
     for _, text in _corpus():
         lowered = text.lower()
         for e in knowledge.load_entries():
-            for pattern, anchor in zip(e.compiled, e.anchors):
+            pairs = (*zip(e.compiled, e.anchors), *zip(e.compiled_contextual, e.contextual_anchors),
+                     *zip(e.compiled_context, e.context_anchors))
+            for pattern, anchor in pairs:
                 if pattern.search(text):
                     assert anchor in lowered, (e.id, pattern.pattern, anchor)
 
@@ -191,11 +212,39 @@ def _write_entry(tmp_path: Path, name: str, **changes) -> Path:
     ({"patch": "{}"}, "patch_kind"),
     ({"id": "other"}, "id"),
     ({"colour": "red"}, "colour"),
+    ({"contextual": ["abc"]}, "context"),
+    ({"contextual": ["(unclosed"], "context": ["x"]}, "contextual"),
+    ({"contextual": ["abc"], "context": ["x"], "context_chars": 0}, "context_chars"),
+    ({"fixes": [{"id": "a", "text": "t", "skip_when": "x"}]}, "fixes"),
+    ({"fixes": [{"id": "a", "text": "t", "skip_when": "(", "skip_why": "w"}]}, "fixes"),
 ])
 def test_schema_violations_name_file_and_field(tmp_path, changes, field):
     path = _write_entry(tmp_path, "bad-entry", **changes)
     with pytest.raises(knowledge.KnowledgeError, match=rf"bad-entry\.toml: field '{field}'"):
         knowledge.load_entry(path)
+
+
+def test_contextual_patterns_count_only_near_their_context():
+    """zero3-param-not-available: a shape error with a size-0 operand is that entry's only within
+    context_chars of a ZeRO-3 frame or config, before or after it."""
+    error = "RuntimeError: The size of tensor a (0) must match the size of tensor b (4096) at non-singleton dimension 1\n"
+    frame = '  File "/x/site-packages/deepspeed/runtime/zero/stage3.py", line 2270, in backward\n'
+    entry = knowledge.get("zero3-param-not-available")
+    far = "x" * (entry.context_chars + 100) + "\n"
+
+    def found(text: str) -> bool:
+        return "zero3-param-not-available" in {m.entry.id for m in knowledge.match(text)}
+    assert found(frame + error) and found(error + "my config: {\"zero_optimization\": {\"stage\": 3}}\n")
+    assert not found(error) and not found(frame + far + error)
+
+
+def test_every_fix_explain_can_show_has_identifier_placeholders_only():
+    """A fix text with braces that are no placeholder (JSON) would be dropped by explain."""
+    for e in knowledge.load_entries():
+        for f in e.fixes:
+            names = f.placeholders()
+            assert all(n.isidentifier() for n in names) or (e.id, f.id) == ("moe-param-groups", "split-moe-groups"), \
+                (e.id, f.id, names)
 
 
 def test_match_ranks_cause_before_timeout_echo():

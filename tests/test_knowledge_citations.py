@@ -131,6 +131,8 @@ CORPUS: list[tuple[dict, dict]] = [
                                           "load_balance_loss_weight": 0.1, "use_tutel": False,
                                           "num_experts": 8, "bogus": 1}}, {}),
     ({"zero_optimization": {"stage": 3}, "moe": {"enabled": True}}, {}),
+    ({"fp16": {"enabled": True}, "_comment": "x", "zero_optimization": {"stage": 2, "_note": "y"},
+      "moe": {"enabled": True, "ep_size": 3, "num_experts": 8}}, {"world_size": 8}),
 ]
 
 

@@ -292,6 +292,223 @@ def test_zero3_reset_step_releases_inflight_params():
     assert "_clean_inflight_param_registry()" in source and "still have inflight params" not in source
 
 
+# --------------------------------------------------------------------------- explain's readings
+
+def test_fp16_loss_scaler_wording_and_minimum_are_deepspeeds(monkeypatch):
+    """A real DynamicLossScaler (only its rank lookup stubbed: no process group here) halves the
+    scale on each overflow down to min_scale, then raises; explain reports that as a collapse and
+    a short start-up search as nothing. The config's defaults are 2^16 and min 1."""
+    import logging
+
+    import torch
+    from deepspeed import comm
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.utils import logger
+
+    from troubleshooter import explain
+
+    monkeypatch.setattr(comm, "get_rank", lambda *a, **k: 0)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        scaler = DynamicLossScaler(init_scale=16, scale_window=1000, min_scale=1, delayed_shift=1,
+                                   consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.half)
+        for _ in range(2):
+            scaler.update_scale(True)
+        start = "\n".join(lines)
+        for _ in range(2):
+            scaler.update_scale(True)
+        minimum = raised(scaler.update_scale, True)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert lines[0] == "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 16, reducing to 8"
+    assert lines[-1].endswith("reducing to 1") and str(minimum).startswith("Current loss scale already at minimum")
+    assert explain.explain_text(start) == []
+    collapse = explain.explain_text("\n".join(lines))[0]
+    assert collapse.entry_id == "fp16-moe" and "fell to 1" in collapse.finding
+    fp16 = ds_config({"train_batch_size": 1, "fp16": {"enabled": True}}).float16_config
+    assert (fp16.initial_scale_power, fp16.min_loss_scale) == (16, 1)
+    import inspect
+
+    from deepspeed.runtime import engine
+    assert 'f"step={step}, skipped={self.skipped_steps}' in inspect.getsource(engine)
+
+
+def test_printed_gate_counts_of_a_collapsed_router_are_read_as_collapse():
+    """router-collapse: native top1gating's exp_counts (tokens per expert), printed as users do."""
+    import torch
+    from deepspeed.moe.sharded_moe import top1gating
+
+    from troubleshooter import explain
+
+    torch.manual_seed(0)
+    logits = torch.randn(256, 8)
+    *_, balanced = top1gating(logits, capacity_factor=8.0, min_capacity=1)
+    logits[:, 3] += 20.0  # every token's router now prefers expert 3
+    *_, collapsed = top1gating(logits, capacity_factor=8.0, min_capacity=1)
+    assert explain.explain_text(f"[rank0]: exp_counts: {balanced}") == []
+    d = explain.explain_text(f"[rank0]: exp_counts: {collapsed}")[0]
+    assert d.entry_id == "router-collapse" and "expert 3" in d.finding
+
+
+# --------------------------------------------------------------------------- issue-21 entries
+
+def test_native_gating_asserts_are_deepspeeds_and_torchs():
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.moe import sharded_moe
+    from deepspeed.moe.layer import MoE
+
+    err = raised(sharded_moe.top1gating, torch.randn(2, 4), capacity_factor=1.0, min_capacity=4)
+    assert str(err).startswith("No. of tokens (batch-size) should be greater than min_capacity")
+    trace = "".join(traceback.format_exception(err))  # frames through sharded_moe.py, as users see it
+    assert knowledge.match(trace)[0].entry.id == "native-moe-gating-assert"
+    assert inspect.signature(MoE.__init__).parameters["min_capacity"].default == 4
+    one_hot = raised(F.one_hot, torch.tensor([5]), num_classes=4)
+    assert str(one_hot) == "Class values must be smaller than num_classes."
+    source = inspect.getsource(sharded_moe)
+    assert "F.one_hot(indices1_s, num_classes=num_experts)" in source and "num_classes=capacity" in source
+    in_gate = (f'  File "{sharded_moe.__file__}", line 238, in top1gating\n'
+               f"    mask1 = F.one_hot(indices1_s, num_classes=num_experts)\nRuntimeError: {one_hot}\n")
+    assert knowledge.match(in_gate)[0].entry.id == "native-moe-gating-assert"
+    assert not any(m.entry.id == "native-moe-gating-assert" for m in knowledge.match(f"RuntimeError: {one_hot}"))
+
+
+def test_ds_to_universal_refusals_are_the_installed_ones():
+    from deepspeed.checkpoint import ds_to_universal
+
+    root = Path(ds_to_universal.__file__).parent
+    source = (root / "ds_to_universal.py").read_text()
+    for wording in ("Missing ZeRO-3 checkpoint file for tp_rank=", "ZeRO-3 checkpoint model/optimizer rank sets do not match: ",
+                    "Missing ZeRO optimizer checkpoint for rank", "disagree on shape", "No fragment files for tp rank",
+                    "All shards must have the same step value", "Duplicate ZeRO rank", ".reshape(slice_shapes[tp_index])"):
+        assert wording in source, wording
+    assert "assert self.zero_checkpoint.num_files % (self.pp_degree * self.tp_degree) == 0" in \
+        (root / "deepspeed_checkpoint.py").read_text()
+    err = raised(ds_to_universal._validate_zero3_model_optim_rank_sets,
+                 [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(4)],
+                 [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)])
+    assert "model_only=[2, 3]" in str(err)
+    assert knowledge.match("".join(traceback.format_exception(err)))[0].entry.id == "ds-to-universal-mismatch"
+
+
+def test_zero3_conversion_adds_the_ds_attributes_a_plain_parameter_lacks():
+    import inspect
+
+    import torch
+    from deepspeed.runtime.zero import parameter_offload, partition_parameters
+
+    err = raised(getattr, torch.nn.Parameter(torch.ones(2)), "ds_numel")
+    assert str(err) == "'Parameter' object has no attribute 'ds_numel'"
+    assert knowledge.match(f"AttributeError: {err}")[0].entry.id == "zero3-param-not-converted"
+    convert = inspect.getsource(partition_parameters.Init._convert_to_deepspeed_param)
+    assert all(f"param.{a} = " in convert for a in ("ds_id", "ds_numel", "ds_shape", "ds_tensor", "ds_status"))
+    assert "_convert_to_zero_parameters" in inspect.getsource(parameter_offload.DeepSpeedZeRoOffload)
+    assert "zero.Init resolved a process group of world_size=1" in inspect.getsource(partition_parameters)
+    fan = raised(torch.nn.init.xavier_uniform_, torch.empty(0))  # a zero.Init placeholder is 1-D, empty
+    assert str(fan) == "Fan in and fan out can not be computed for tensor with fewer than 2 dimensions"
+    near = f'  File "{partition_parameters.__file__}", line 348, in __exit__\nValueError: {fan}\n'
+    assert knowledge.match(near)[0].entry.id == "zero3-param-not-converted"
+
+
+def test_collective_size_mismatch_wordings_and_leaf_modules():
+    """gloo's abort and torch's DETAIL check are strings of the installed libtorch; the leaf-module
+    fix is a real config field and function of deepspeed 0.19.8."""
+    import mmap
+
+    import torch
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.utils import set_z3_leaf_modules, z3_leaf_module
+
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    with lib.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        for wording in (b"Received data size doesn't match expected size. Is there a distributed collective mismatch "
+                        b"in your code?", b"op.preamble.length <= op.nbytes",
+                        b"Detected mismatch between collectives on ranks", b"Collectives differ in the following aspects"):
+            assert data.find(wording) != -1, wording
+    zero = DeepSpeedZeroConfig(stage=3, leaf_module={"classes": ["my_model.MoEBlock"], "name_suffixes": "mlp"})
+    assert zero.leaf_module.classes == ["my_model.MoEBlock"] and zero.leaf_module.name_suffixes == ["mlp"]
+    assert any(c.endswith("MixtralSparseMoeBlock") for c in DeepSpeedZeroConfig(stage=3).leaf_module.classes)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Block())
+    [leaf] = set_z3_leaf_modules(model, [Block])
+    assert leaf is model[1] and z3_leaf_module(model[1])
+    fix = knowledge.fix("zero3-moe-gather-mismatch", "leaf-modules").text
+    assert "zero_optimization.leaf_module.classes" in fix and "set_z3_leaf_modules" in fix
+
+
+def test_moe_token_dispatch_is_an_all_to_all():
+    """nccl-all-to-all-error: NCCL errors there come from the MoE dispatch's all-to-all."""
+    import inspect
+
+    import torch
+    from deepspeed.module_inject import auto_ep_layer
+    from deepspeed.moe import sharded_moe
+
+    assert "dist.all_to_all_single(output, input, group=group)" in inspect.getsource(sharded_moe._AllToAll.forward)
+    assert "all_to_all" in inspect.getsource(auto_ep_layer)
+    assert issubclass(torch.distributed.DistBackendError, RuntimeError)
+
+
+def test_ds_skip_cuda_check_bypasses_deepspeeds_check_only():
+    """cuda-version-mismatch's skip_when: torch's own check has no switch for a major mismatch."""
+    import inspect
+
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.ops.op_builder import builder
+
+    torch_check = inspect.getsource(cpp._check_cuda_version)
+    raise_at = torch_check.index("raise RuntimeError(CUDA_MISMATCH_MESSAGE")
+    assert "environ" not in torch_check[:raise_at] and "DS_SKIP_CUDA_CHECK" not in inspect.getsource(cpp)
+    assert 'os.getenv("DS_SKIP_CUDA_CHECK", "0") == "1"' in inspect.getsource(builder.assert_no_cuda_mismatch)
+    fix = knowledge.fix("cuda-version-mismatch", "skip-cuda-check")
+    assert re.search(fix.skip_when, cpp.CUDA_MISMATCH_MESSAGE % ("13.0", "12.8"), re.I)  # torch's own text
+    assert not re.search(fix.skip_when, "CUDAMismatchException: >- DeepSpeed Op Builder: Installed CUDA version 13.0")
+    assert "_check_cuda_version" in fix.skip_why
+
+
+def test_a_waiting_jit_build_prints_nothing_until_the_lock_goes():
+    """stale-extension-lock: torch prints 'Loading extension module' only after FileBaton.wait()
+    returns, and DeepSpeed 'Time to load <op> op' after that, so either line after the
+    extensions-root line means the build moved on; the wait itself has no timeout."""
+    import inspect
+
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.ops.op_builder import builder
+    from torch.utils.file_baton import FileBaton
+
+    jit = inspect.getsource(cpp._jit_compile)
+    wait, loading = jit.index("baton.wait()"), jit.index("Loading extension module %s...")
+    assert wait < loading and "Emitting ninja build file" not in jit[wait:]
+    assert "timeout" not in inspect.getsource(FileBaton.wait).lower()
+    assert 'print(f"Time to load {self.name} op: {build_duration} seconds")' in inspect.getsource(builder)
+
+
+def test_comment_keys_and_rename_targets_are_as_lint_says():
+    """lint: "_comment" is ignored at the top level and refused in a pydantic section; the rename
+    targets lint refuses really do not take such values."""
+    assert ds_config({"train_batch_size": 1, "_comment": "x"}).train_batch_size == 1
+    err = raised(ds_config, {"train_batch_size": 1, "zero_optimization": {"stage": 2, "_comment": "x"}})
+    assert type(err).__name__ == "ValidationError" and "Extra inputs are not permitted" in str(err)
+    assert isinstance(raised(ds_config, {"train_batch_size": 1, "comms_logger": "verbose"}), TypeError)
+    import inspect
+
+    from deepspeed.runtime import config
+    assert 'dist.get_world_size() / config["sequence_parallel_size"]' in inspect.getsource(config)
+
+
 # --------------------------------------------------------------------------- coverage
 
 #: Entry -> the tests in this file (or elsewhere, named) that check its library claims for real.
@@ -307,8 +524,8 @@ CHECKED = {
     "lightning-gradient-accumulation": ["test_lightning_refuses_gradient_accumulation_steps"],
     "zero3-overlap-comm": ["test_zero_defaults_and_bounds"],
     "bucket-size-range": ["test_zero_defaults_and_bounds"],
-    "fp16-moe": ["test_fp16_and_bf16_together_are_refused"],
-    "unknown-config-key": ["test_unknown_and_removed_keys"],
+    "fp16-moe": ["test_fp16_and_bf16_together_are_refused", "test_fp16_loss_scaler_wording_and_minimum_are_deepspeeds"],
+    "unknown-config-key": ["test_unknown_and_removed_keys", "test_comment_keys_and_rename_targets_are_as_lint_says"],
     "moe-config-block-ignored": ["test_moe_block_is_not_read_by_deepspeed"],
     "autoep-load-balance-coeff": ["test_autoep_refuses_load_balance_coeff"],
     "native-moe-zero3": ["test_deepspeed_raises_what_the_entry_says"],
@@ -318,7 +535,15 @@ CHECKED = {
     "zero3-param-not-available": ["test_deepspeed_raises_what_the_entry_says"],
     "ep-size-divisibility": ["test_native_moe_ep_size_must_divide_experts"],
     "device-mismatch": ["test_device_mismatch_message_is_torchs"],
-    "router-collapse": ["test_native_gating_returns_the_aux_loss_and_takes_jitter"],
+    "router-collapse": ["test_native_gating_returns_the_aux_loss_and_takes_jitter",
+                        "test_printed_gate_counts_of_a_collapsed_router_are_read_as_collapse"],
+    "native-moe-gating-assert": ["test_native_gating_asserts_are_deepspeeds_and_torchs"],
+    "ds-to-universal-mismatch": ["test_ds_to_universal_refusals_are_the_installed_ones"],
+    "zero3-param-not-converted": ["test_zero3_conversion_adds_the_ds_attributes_a_plain_parameter_lacks"],
+    "zero3-moe-gather-mismatch": ["test_collective_size_mismatch_wordings_and_leaf_modules"],
+    "nccl-all-to-all-error": ["test_moe_token_dispatch_is_an_all_to_all"],
+    "stale-extension-lock": ["test_a_waiting_jit_build_prints_nothing_until_the_lock_goes"],
+    "cuda-version-mismatch": ["test_ds_skip_cuda_check_bypasses_deepspeeds_check_only"],
     "zero3-inflight-params": ["test_zero3_reset_step_releases_inflight_params"],
     # our own errors: triggered for real, their messages matched to these entries
     "moe-top-k-range": ["test_own_errors.py::test_every_validation_error_names_its_entry"],

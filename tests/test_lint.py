@@ -57,8 +57,9 @@ def test_seed_moe_config_block_is_one_finding_with_notes():
     assert (block.rule, block.severity, block.message_id) == ("moe-config-block-ignored", "warning", "block-stage3")
     assert [n.split(" = ")[0] for n in block.notes] == [
         f"moe.{k}" for k in ("enable", "num_experts", "top_k", "ep_size", "min_capacity", "drop_tokens",
-                             "noisy_gate_policy", "load_balance_loss_weight")]
+                             "noisy_gate_policy", "load_balance_loss_weight")] + ["fp16.enabled"]
     assert "moe.ep_size = 2:" in block.notes[3] and "expert_parallel.autoep_size" in block.notes[3]
+    assert block.note_ids[-1] == "note-fp16" and "bf16" in block.notes[-1]  # fp16 on a model the block says is MoE
     assert block.patch == {"moe": None, "expert_parallel": {"enabled": True, "autoep_size": 2}}
     assert not _by(findings, severity="error")
     assert {f.rule for f in findings} == {"moe-config-block-ignored", "offload-last-resort"}
@@ -68,10 +69,28 @@ def test_seed_moe_config_block_is_one_finding_with_notes():
 
 
 def test_moe_block_keys_never_act_as_live_config():
-    """ep_size / num_experts in the ignored block cannot fail divisibility, on any world size."""
+    """ep_size / num_experts in the ignored block cannot fail divisibility as live config, on any
+    world size: the one finding says it in a note instead."""
     config = {"zero_optimization": {"stage": 2}, "moe": {"num_experts": [4, 3], "ep_size": 2}}
     findings = lint.lint_config(config, world_size=5)
     assert [(f.rule, f.message_id) for f in findings] == [("moe-config-block-ignored", "block")]
+    note = findings[0].notes[findings[0].note_ids.index("note-ep-size-divides")]
+    assert "number of experts (3)" in note and "world size (5)" in note and "number of experts (4)" not in note
+
+
+def test_moe_block_keeps_the_two_findings_that_stay_true_wherever_its_keys_go():
+    """Seed 002's block on 5 ranks: ep_size 2 divides 8 experts but not the world size; fp16 with
+    a model the block says is MoE. Both are notes of the one block finding; on 8 ranks only fp16."""
+    [five] = [f for f in lint.lint_path(SEEDS / "seed002_zero3_moe.json", world_size=5) if f.path == "moe"]
+    assert five.note_ids[-2:] == ("note-fp16", "note-ep-size-divides")
+    assert "moe.ep_size = 2 does not divide the world size (5)" in five.notes[-1] and "[1]" in five.notes[-1]
+    [eight] = [f for f in lint.lint_path(SEEDS / "seed002_zero3_moe.json", world_size=8) if f.path == "moe"]
+    assert "note-ep-size-divides" not in eight.note_ids and "note-fp16" in eight.note_ids
+    neither = {"fp16": {"enabled": True}, "moe": {"enabled": True, "num_experts": 6, "ep_size": 4}}
+    [block] = lint.lint_config(neither, world_size=10)
+    assert "number of experts (6), nor the world size (10)" in block.notes[-1] and "[1, 2]" in block.notes[-1]
+    off = {"fp16": {"enabled": True}, "moe": {"enabled": False, "num_experts": 8}}
+    assert "note-fp16" not in lint.lint_config(off)[0].note_ids  # the block says: not MoE
 
 
 def test_seed_moe_config_on_a_world_that_does_not_fit():
@@ -216,6 +235,65 @@ def test_silently_ignored_keys_are_warnings_with_suggestions():
     assert {(f.path, f.severity) for f in findings} == {
         ("gradient_acumulation_steps", "warning"), ("expert_parallel.autoep_sise", "warning")}
     assert all("Did you mean" in f.message for f in findings)
+
+
+def test_keys_starting_with_underscore_are_comments():
+    """DeepSpeed ignores unknown top-level keys, so "_comment" is harmless there (information);
+    a pydantic-validated section refuses it (tests/test_knowledge_claims.py checks both)."""
+    config = {"train_batch_size": 8, "_comment": "tuned for 8 x A100", "_author": {"name": "kim"},
+              "zero_optimization": {"stage": 2, "_note": "bucket sizes from the seeds"}}
+    found = {f.path: (f.severity, f.message_id) for f in _by(lint.lint_config(config), "unknown-config-key")}
+    assert found == {"_comment": ("info", "comment"), "_author": ("info", "comment"),
+                     "zero_optimization._note": ("error", "comment-refused")}
+    assert not any("Did you mean" in f.message for f in lint.lint_config(config))
+
+
+@pytest.mark.parametrize("key, value, guess", [
+    ("comms_log", "verbose per-op timings", None),  # a comment string: comms_logger takes an object
+    ("comms_log", {"enabled": True, "verbose": False}, "comms_logger"),
+    ("sequence_parallel", {"size": 2}, None),  # DeepSpeed divides the world size by sequence_parallel_size
+    ("sequence_paralel_size", 2, "sequence_parallel_size"),
+    ("gradient_acumulation_steps", {"steps": 4}, None),
+    ("wall_clock_breakdwn", {"enabled": True}, None),  # a boolean key
+    ("wall_clock_breakdwn", True, "wall_clock_breakdown"),
+])
+def test_a_rename_is_proposed_only_when_deepspeed_accepts_the_renamed_config(key, value, guess):
+    [finding] = _by(lint.lint_config({"train_batch_size": 8, key: value}), "unknown-config-key")
+    if guess is None:
+        assert "Did you mean" not in finding.message and finding.fix_id == "delete-key"
+        assert finding.patch == {key: None}
+    else:
+        assert f"Did you mean '{guess}'?" in finding.message and finding.patch == {key: None, guess: value}
+
+
+def test_a_rename_inside_a_validated_section_is_checked_by_its_model():
+    typo = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "overlap_com": {"enabled": True}}}
+    [finding] = _by(lint.lint_config(typo), "unknown-config-key")
+    assert finding.severity == "error" and "Did you mean" not in finding.message  # overlap_comm is a bool
+    bad_value = {"train_batch_size": 1, "zero_optimization": {"stagee": 7}}
+    [finding] = _by(lint.lint_config(bad_value), "unknown-config-key")
+    assert "Did you mean" not in finding.message  # DeepSpeedZeroConfig refuses stage 7
+
+
+def test_lint_works_and_still_refuses_bad_renames_when_deepspeed_cannot_be_imported():
+    """The harvested key types alone decide then (the schema comes from this session's cache)."""
+    import os
+    import subprocess
+    import sys
+
+    ds_schema.load_schema()  # make sure the session's cache holds the harvest
+    code = ("import sys, json; sys.modules['deepspeed'] = None\n"
+            "from troubleshooter import lint\n"
+            "good = lint.lint_config({'train_batch_size': 8, 'wall_clock_breakdwn': True})\n"
+            "bad = lint.lint_config({'train_batch_size': 8, 'comms_log': 'verbose'})\n"
+            "print(json.dumps([[f.message for f in good], [f.message for f in bad], "
+            "'deepspeed.runtime' in sys.modules]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ}, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    good, bad, imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "Did you mean 'wall_clock_breakdown'?" in good[0] and "Did you mean" not in bad[0]
+    assert not imported
 
 
 def test_deprecated_key_is_reported_with_its_replacement():

@@ -8,6 +8,10 @@ validates it (found by feeding the section an unknown key and reading the model'
 ``ValidationError``), or, for sections parsed with ``dict.get`` such as ``expert_parallel``, the
 keys that the parser looked up.
 
+Each key's JSON value types are harvested too (``Schema.types``): a pydantic field's from its
+annotation, a ``dict.get`` key's from the default DeepSpeed passes, so that lint proposes a rename
+only to a key whose type the value fits (a string is no section, an object no world-size divisor).
+
 Importing DeepSpeed costs seconds and loads torch, so the harvest runs in a subprocess
 (``python -m troubleshooter.ds_schema`` prints JSON) and its result is cached per DeepSpeed
 version under ``$TROUBLESHOOTER_CACHE_DIR`` (default ``~/.cache/troubleshooter``).
@@ -28,10 +32,13 @@ from pathlib import Path
 __all__ = ["Schema", "SchemaError", "cache_path", "harvest", "load_schema"]
 
 #: Bump when the harvested JSON changes shape, so old caches are ignored.
-SCHEMA_FORMAT = 2
+SCHEMA_FORMAT = 3
 _PROBE_KEY = "__troubleshooter_probe__"
-#: Keys DeepSpeedConfig reads only when a process group exists (the harvest runs without one).
-_NEEDS_DIST = ("sequence_parallel_size",)
+#: Keys DeepSpeedConfig reads only when a process group exists (the harvest runs without one),
+#: with their JSON types: runtime/config.py divides the world size by sequence_parallel_size.
+_NEEDS_DIST = {"sequence_parallel_size": ["number"]}
+_JSON_TYPES = ((bool, "boolean"), (int, "number"), (float, "number"), (str, "string"),
+               (dict, "object"), (list, "array"), (tuple, "array"), (type(None), "null"))
 
 
 class SchemaError(RuntimeError):
@@ -49,6 +56,8 @@ class Schema:
     loose_sections: dict[str, frozenset[str]]  # read with dict.get: unknown keys are ignored
     section_models: dict[str, str] = field(default_factory=dict)  # path -> pydantic model name
     deprecated: dict[str, str] = field(default_factory=dict)  # dotted path -> replacement or ""
+    #: dotted path -> the JSON types its value may have (absent: not known, anything goes)
+    types: dict[str, frozenset[str]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> "Schema":
@@ -60,6 +69,7 @@ class Schema:
             loose_sections={k: frozenset(v) for k, v in data["loose_sections"].items()},
             section_models=dict(data.get("section_models", {})),
             deprecated=dict(data.get("deprecated", {})),
+            types={k: frozenset(v) for k, v in data.get("types", {}).items()},
         )
 
 
@@ -68,8 +78,17 @@ class Schema:
 # --------------------------------------------------------------------------------------------
 
 
-def _recorder(seen: set[str]):
-    """A dict class that adds every key looked up in it to ``seen``."""
+def json_type(value: object) -> str:
+    """The JSON type name of a Python value (object, array, string, number, boolean, null)."""
+    for cls, name in _JSON_TYPES:
+        if isinstance(value, cls):
+            return name
+    return type(value).__name__
+
+
+def _recorder(seen: set[str], defaults: dict[str, set[str]] | None = None):
+    """A dict class that adds every key looked up in it to ``seen`` (and, to ``defaults``, the
+    JSON type of the default a ``get(key, default)`` passes)."""
     from collections.abc import KeysView
 
     class _Keys(KeysView):
@@ -80,6 +99,8 @@ def _recorder(seen: set[str]):
     class Recorder(dict):
         def get(self, key, default=None):
             seen.add(str(key))
+            if defaults is not None and default is not None:
+                defaults.setdefault(str(key), set()).add(json_type(default))
             return super().get(key, default)
 
         def __getitem__(self, key):
@@ -135,6 +156,36 @@ def _submodel(annotation) -> type | None:
     return None
 
 
+def _annotation_types(annotation) -> list[str] | None:
+    """The JSON types a pydantic annotation accepts, or None when any value may do."""
+    import enum
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _annotation_types(args[0])
+    if origin in (typing.Union, types.UnionType):
+        parts = [_annotation_types(a) for a in args]
+        return None if any(p is None for p in parts) else sorted({t for p in parts for t in p})
+    if origin is typing.Literal:
+        return sorted({json_type(v) for v in args})
+    if origin is not None:
+        annotation = origin
+    if not isinstance(annotation, type):
+        return None
+    if issubclass(annotation, enum.Enum):
+        return sorted({json_type(m.value) for m in annotation})
+    if issubclass(annotation, BaseModel):
+        return ["object"]
+    for cls, name in _JSON_TYPES:
+        if issubclass(annotation, cls):
+            return [name]
+    return ["object"] if issubclass(annotation, typing.Mapping) else None
+
+
 def _model_keys(model: type, path: str, out: dict) -> None:
     """Record a pydantic model's accepted keys (names and aliases), recursing into sub-models."""
     keys = set()
@@ -142,6 +193,10 @@ def _model_keys(model: type, path: str, out: dict) -> None:
         keys.add(name)
         if info.alias:
             keys.add(info.alias)
+        types = _annotation_types(info.annotation)
+        if types is not None:
+            for key in {name, info.alias} - {None}:
+                out["types"][f"{path}.{key}"] = types
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         if extra.get("deprecated"):
             out["deprecated"][f"{path}.{info.alias or name}"] = str(extra.get("new_param", ""))
@@ -151,6 +206,7 @@ def _model_keys(model: type, path: str, out: dict) -> None:
                 _model_keys(sub, f"{path}.{key}", out)
     out["strict_sections"][path] = sorted(keys)
     out["section_models"][path] = model.__name__
+    out["types"][path] = ["object"]
 
 
 def _model_at(err, models: dict[str, type]) -> type | None:
@@ -187,20 +243,39 @@ def _probe_section(key: str, models: dict[str, type], out: dict) -> None:
         out["loose_sections"][key] = sorted(seen)
 
 
-def _removed_keys() -> dict[str, str]:
-    from deepspeed.runtime import config as ds_config
+#: One value of each JSON type, fed to DeepSpeedConfig to learn which types a key accepts.
+_TYPE_PROBES = {"number": 1, "boolean": True, "string": "x", "object": {}, "array": []}
+#: A base config DeepSpeedConfig accepts, per key (the batch keys must not contradict it).
+_PROBE_BASES = {"train_batch_size": {}, "train_micro_batch_size_per_gpu": {},
+                "gradient_accumulation_steps": {"train_micro_batch_size_per_gpu": 1}}
 
-    removed = {k: v for k, v in getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}).items()}
-    for key, message in getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}).items():
+
+def _probe_types(key: str) -> list[str] | None:
+    """The JSON types DeepSpeedConfig accepts for a top-level key that has no typed default,
+    or None when the probes do not tell (all accepted, or none)."""
+    base = _PROBE_BASES.get(key, {"train_batch_size": 1})
+    accepted = [name for name, value in _TYPE_PROBES.items()
+                if _read_config({**base, key: value}) is None]
+    return accepted if 0 < len(accepted) < len(_TYPE_PROBES) else None
+
+
+def _removed_keys() -> dict[str, str]:
+    from lightning_zeromoe._private.deepspeed import removed_config_keys
+
+    top_level, zero = removed_config_keys()
+    removed = dict(top_level)
+    for key, message in zero.items():
         removed[f"zero_optimization.{key}"] = message
     return removed
 
 
-def _autoep_keys() -> list[str]:
+def _autoep_keys(out: dict) -> list[str]:
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
 
     seen: set[str] = set()
-    parse_autoep_config(_recorder(seen)({"enabled": False}))
+    defaults: dict[str, set[str]] = {}
+    parse_autoep_config(_recorder(seen, defaults)({"enabled": False}))
+    out["types"].update({f"expert_parallel.{k}": sorted(v) for k, v in defaults.items()})
     return sorted(seen)
 
 
@@ -209,16 +284,21 @@ def harvest() -> dict:
     import deepspeed
 
     seen: set[str] = set()
-    _read_config(_recorder(seen)({"train_batch_size": 1}))
+    defaults: dict[str, set[str]] = {}
+    _read_config(_recorder(seen, defaults)({"train_batch_size": 1}))
     removed = _removed_keys()
     top = (seen | set(_NEEDS_DIST)) - {k for k in removed if "." not in k}
     out: dict = {"deepspeed_version": deepspeed.__version__, "format": SCHEMA_FORMAT,
                  "top_level": sorted(top), "removed": removed, "strict_sections": {},
-                 "loose_sections": {}, "section_models": {}, "deprecated": {}}
+                 "loose_sections": {}, "section_models": {}, "deprecated": {},
+                 "types": {k: sorted(v) for k, v in defaults.items() if k in top}}
+    out["types"].update(_NEEDS_DIST)
     models = _model_classes()
     for key in sorted(top):
         _probe_section(key, models, out)
-    out["loose_sections"]["expert_parallel"] = _autoep_keys()
+        if key not in out["types"] and (probed := _probe_types(key)) is not None:
+            out["types"][key] = probed
+    out["loose_sections"]["expert_parallel"] = _autoep_keys(out)
     return out
 
 

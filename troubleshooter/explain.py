@@ -8,7 +8,16 @@ The input (a file, standard input or the message itself) is read by
 * a rank that failed because another one did (a collective timeout, gloo's "Connection reset by
   peer", NCCL's "remote process exited", torchrun's ``ChildFailedError``): when the log also holds
   a rank's own error, that error is the diagnosis and the echo says it only followed; when it
-  does not, the echo says where the first rank's error went.
+  does not, the echo says where the first rank's error went (a C++ abort without a Python
+  traceback counts: ``terminate called after throwing ...``).
+
+Some entries' patterns only find candidates, and the log decides (``JUDGES``): fp16 overflow lines
+are counted against the steps (:mod:`troubleshooter.loss_scale`; the start-up search of the loss
+scale is not a problem), an expert-load or top-k printout must show a collapsed router
+(:mod:`troubleshooter.expert_load`). And a fix is not proposed when the log shows it was already
+followed (the variable it sets is set to that value: :mod:`troubleshooter.log_facts`), or when
+the entry says it cannot help with what the log shows (a fix's ``skip_when``); the diagnosis
+then says so.
 
 Exit codes of ``explain`` (see ``troubleshooter.cli``): 0 when at least one diagnosis was printed,
 1 when nothing in the input matched a known problem, 2 when the input could not be read (missing,
@@ -20,7 +29,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from troubleshooter import knowledge
+from troubleshooter import expert_load, knowledge, log_facts, loss_scale
+from troubleshooter.knowledge.matching import is_own, line_at
 from troubleshooter.log_input import (
     MAX_BYTES,
     ExplainInputError,
@@ -101,8 +111,10 @@ def _filled(text: str, details: dict[str, str]) -> str:
 
 def _fillable(entry: knowledge.Entry, details: dict[str, str]) -> tuple[knowledge.Fix, ...]:
     """The fixes this log can fill: a template for another tool (the doctor's {paths}, {limit})
-    needs values a log does not carry, so it is left out."""
-    return tuple(f for f in entry.fixes if f.placeholders() <= details.keys())
+    needs values a log does not carry, so it is left out. Braces that are no placeholder name
+    (a Python dict in a code fix) do not count."""
+    return tuple(f for f in entry.fixes
+                 if {p for p in f.placeholders() if p.isidentifier()} <= details.keys())
 
 
 def _diagnosis(m: knowledge.Match, data: Input) -> Diagnosis:
@@ -136,14 +148,81 @@ def _refine_oom(d: Diagnosis, text: str) -> Diagnosis:
     return _with_fixes(refined, OOM_FRAGMENTED if numbers.fragmentation else OOM_SHORT)
 
 
+def _judge_fp16(d: Diagnosis, data: Input) -> Diagnosis | None:
+    """fp16 overflows: a diagnosis only for a collapse, not for the routine loss-scale search."""
+    reason = loss_scale.collapse(loss_scale.history(data.text))
+    return replace(d, finding=f"Counted in this log: {reason}") if reason else None
+
+
+def _judge_router(d: Diagnosis, data: Input) -> Diagnosis | None:
+    """An expert-load or top-k printout: a diagnosis only when it shows a collapsed router."""
+    found = expert_load.find_collapse(data.text)
+    if found is None:
+        return None
+    line_no, snippet = line_at(data.text, found.offset)
+    return replace(d, finding=f"This printout shows it: {found.summary}", offset=found.offset,
+                   line_no=data.input_line(line_no), snippet=snippet)
+
+
+#: Entries whose patterns only find candidates: the log's numbers decide (None: not a problem).
+JUDGES = {"fp16-moe": _judge_fp16, "router-collapse": _judge_router}
+
+
+def _judged(m: knowledge.Match, data: Input) -> Diagnosis | None:
+    """The diagnosis, after its judge (if any) read the log; our own messages need no judge."""
+    d = _diagnosis(m, data)
+    judge = JUDGES.get(d.entry_id)
+    return judge(d, data) if judge is not None and not is_own(m) else d
+
+
+def _line_of(data: Input, offset: int) -> int:
+    return data.input_line(data.text.count("\n", 0, offset) + 1)
+
+
+def _followed_fixes(d: Diagnosis, data: Input) -> Diagnosis:
+    """Leave out fixes the log shows were followed, or that cannot help here, and say why."""
+    if not d.fix_ids:
+        return d
+    entry = knowledge.get(d.entry_id)
+    keep: list[str] = []
+    notes: list[str] = []
+    for fix_id in d.fix_ids:
+        f = entry.get_fix(fix_id)
+        wanted = log_facts.fix_assignments(_filled(f.text, d.details))
+        settings = [(v, s) for name, v in wanted
+                    if (s := log_facts.env_setting(data.text, name)) is not None and s.value is not None]
+        done = [s for v, s in settings if log_facts.same_value(v, s.value)]
+        followed = bool(wanted) and len(done) == len(wanted)  # every variable it sets is set so
+        notes += [f"Line {_line_of(data, s.offset)} already sets {s.name}={s.value}"
+                  + (": that step was followed, so it is not proposed again." if followed else ".")
+                  for s in done]
+        notes += [f"Line {_line_of(data, s.offset)} sets {s.name}={s.value}." for v, s in settings
+                  if s not in done]
+        blocked = bool(f.skip_when) and re.search(f.skip_when, data.text, re.I | re.M) is not None
+        if blocked:
+            notes.append(f.skip_why)
+        if not followed and not blocked:
+            keep.append(fix_id)
+    if not notes:
+        return d
+    finding = " ".join(filter(None, (d.finding, *dict.fromkeys(notes))))
+    return replace(_with_fixes(d, tuple(keep)), finding=finding)
+
+
 def _rank_of(snippet: str) -> str | None:
     """The rank a log line comes from, when torch prefixed it (``[rank1]: ...``)."""
     hit = _RANK_PREFIX.match(snippet)
     return hit.group(1) if hit else None
 
 
-def _orphan_finding(echo: Diagnosis) -> str:
-    """What an echo means when no rank's own error is in the log."""
+def _orphan_finding(echo: Diagnosis, data: Input) -> str:
+    """What an echo means when no rank's own error (a known one) is in the log."""
+    abort = log_facts.first_abort(data.text, before=echo.offset)  # an abort before the echo
+    if abort is not None:
+        what = f" ({abort.what})" if abort.what else ""
+        return (f"A rank aborted in C++ without a Python traceback at line {_line_of(data, abort.offset)}: "
+                f"terminate called after throwing an instance of '{abort.thrown}'{what}. That abort is "
+                "the first error; the failures after it only followed from it.")
     code = echo.details.get("exitcode")
     if code in ("-9", "137"):
         return (f"No rank's own error is in this log, and rank {echo.details.get('failed_rank', '?')} "
@@ -153,14 +232,14 @@ def _orphan_finding(echo: Diagnosis) -> str:
             "here (killed, or its output went to another file).")
 
 
-def _link_echoes(found: list[Diagnosis]) -> list[Diagnosis]:
+def _link_echoes(found: list[Diagnosis], data: Input) -> list[Diagnosis]:
     """Say which failure caused the others: a rank's own error before the ranks that followed it."""
     echoes = [d for d in found if d.family == ECHO_FAMILY and d.severity == "error"]
     roots = [d for d in found if d.family != ECHO_FAMILY and d.severity == "error"]
     if not echoes:
         return found
     if not roots:
-        return [replace(d, finding=_orphan_finding(d)) if d.entry_id == PEER_ENTRY else d
+        return [replace(d, finding=_orphan_finding(d, data)) if d.entry_id == PEER_ENTRY else d
                 for d in found]
     # The first failing rank's error comes before the echoes it caused; take the earliest root
     # that precedes the first echo, else the top-ranked one.
@@ -187,9 +266,10 @@ def _link_echoes(found: list[Diagnosis]) -> list[Diagnosis]:
 
 def explain_input(data: Input) -> list[Diagnosis]:
     """Diagnoses for what was read, best first; an empty list when nothing is known."""
-    found = [_diagnosis(m, data) for m in knowledge.match(data.text)]
-    found = [_refine_oom(d, data.text) if d.entry_id == OOM_ENTRY else d for d in found]
-    return _link_echoes(found)
+    found = [_judged(m, data) for m in knowledge.match(data.text)]
+    found = [_refine_oom(d, data.text) if d.entry_id == OOM_ENTRY else d for d in found if d is not None]
+    found = [_followed_fixes(d, data) for d in found]
+    return _link_echoes(found, data)
 
 
 def explain_text(text: str) -> list[Diagnosis]:

@@ -20,6 +20,10 @@ Entry schema (every key is required unless marked optional)::
                                       # only lint or doctor cite. Named groups become details.
                                       # A pattern that uses \Z ("the log ends here") is tried
                                       # on the last TAIL_CHARS characters only.
+    contextual = ['regex', ...]       # optional: patterns that count only when one of `context`
+    context = ['regex', ...]          # matches within context_chars characters of the hit (a
+    context_chars = 50000             # message ambiguous alone, next to what makes it this
+                                      # problem); context_chars is optional (default 50000).
     cause = '''why it happens'''
     patch = '''{"json": "merge patch"}'''   # optional: a DeepSpeed config patch or a code diff
     patch_kind = "json"               # json | diff; required when patch is present
@@ -29,6 +33,8 @@ Entry schema (every key is required unless marked optional)::
     id = "lower-micro-batch"          # do the first one first. ``id``: a stable slug, unique in
     text = "Lower ... to {micro}."    # the entry; code cites fixes by id, never by position.
                                       # ``text`` may hold {placeholders} the caller fills in.
+    skip_when = 'regex'               # optional: explain leaves the fix out when the log matches
+    skip_why = "what it cannot do"    # (required with skip_when) and says this instead.
 
     [[messages]]                      # optional, after the fixes: what a tool reports when it
     id = "mismatch"                   # finds this problem (lint, doctor), as a template filled
@@ -62,9 +68,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from troubleshooter.knowledge.matching import SNIPPET_CHARS, TAIL_CHARS, Match, match_entries
+
 __all__ = [
+    "CONTEXT_CHARS",
     "FAMILIES",
     "SEVERITIES",
+    "SNIPPET_CHARS",
+    "TAIL_CHARS",
     "Entry",
     "Fix",
     "KnowledgeError",
@@ -89,12 +100,10 @@ _REGEX_FLAGS = re.IGNORECASE | re.MULTILINE
 _ID_RE = re.compile(r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$")
 _STR_FIELDS = ("id", "title", "family", "severity", "checked_against", "cause")
 _LIST_FIELDS = ("symptoms", "patterns", "sources")
-_OPTIONAL = ("patch", "patch_kind")
-#: A snippet longer than this is cut: log lines can be megabytes long (progress bars, tensors).
-SNIPPET_CHARS = 300
-#: Patterns about the end of a log (they use \Z) only look at this many trailing characters,
-#: which bounds their cost whatever the input.
-TAIL_CHARS = 16 * 1024
+_OPTIONAL = ("patch", "patch_kind", "contextual", "context", "context_chars")
+#: How near a context pattern must match to a contextual pattern's hit, unless the entry says.
+CONTEXT_CHARS = 50_000
+_FIX_KEYS = frozenset({"id", "text", "skip_when", "skip_why"})
 
 
 class KnowledgeError(ValueError):
@@ -108,6 +117,9 @@ class Fix:
     id: str
     text: str
     entry: str = ""  # the id of the entry it belongs to
+    #: A regex: explain leaves this fix out when the log matches it, and says ``skip_why``.
+    skip_when: str = ""
+    skip_why: str = ""
 
     def render(self, **values: object) -> str:
         """The text with its ``{placeholders}`` filled in; a missing value raises KeyError."""
@@ -145,6 +157,13 @@ class Entry:
     #: Per compiled pattern, a lower-case literal every match must contain ("" when none): a
     #: substring test on the lowered text skips the regex for most patterns on most logs.
     anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    contextual: tuple[str, ...] = ()
+    context: tuple[str, ...] = ()
+    context_chars: int = CONTEXT_CHARS
+    compiled_contextual: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
+    contextual_anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    compiled_context: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
+    context_anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def fix(self) -> tuple[str, ...]:
@@ -171,19 +190,6 @@ class Entry:
         if self.patch is None or self.patch_kind != "json":
             return None
         return json.loads(self.patch)
-
-
-@dataclass(frozen=True)
-class Match:
-    """Where one entry matched a text: the last hit, since the error that matters is at the end."""
-
-    entry: Entry
-    pattern: str
-    line_no: int  # 1-based line of the last hit
-    snippet: str  # that line, stripped and cut to SNIPPET_CHARS
-    offset: int  # character offset of the last hit
-    count: int  # how many hits over all of the entry's patterns
-    details: dict[str, str]  # named groups of the last hit (versions, sizes, op names)
 
 
 def _fail(path: Path, key: str, problem: str) -> KnowledgeError:
@@ -224,8 +230,10 @@ def _parse_templates(path: Path, data: dict, key: str, cls: type[Fix]) -> tuple:
         raise _fail(path, key, f"missing: add at least one [[{key}]] table with 'id' and 'text'")
     items: list[Fix] = []
     for i, item in enumerate(raw):
-        if not isinstance(item, dict) or set(item) != {"id", "text"}:
-            raise _fail(path, key, f"table {i + 1} must have exactly the keys 'id' and 'text'")
+        allowed = _FIX_KEYS if cls is Fix else {"id", "text"}
+        if not isinstance(item, dict) or not {"id", "text"} <= set(item) <= allowed:
+            raise _fail(path, key, f"table {i + 1} must have the keys 'id' and 'text'"
+                        + (" (and optionally 'skip_when' with 'skip_why')" if cls is Fix else " only"))
         item_id, text = item["id"], item["text"]
         if not isinstance(item_id, str) or not _ID_RE.match(item_id):
             raise _fail(path, key, f"table {i + 1}: id {item_id!r} must be a lower-case slug ('-' separated)")
@@ -233,13 +241,40 @@ def _parse_templates(path: Path, data: dict, key: str, cls: type[Fix]) -> tuple:
             raise _fail(path, key, f"table {i + 1} ({item_id}): text missing or empty")
         if any(f.id == item_id for f in items):
             raise _fail(path, key, f"id {item_id!r} is used twice")
-        template = cls(item_id, text.strip(), data["id"])
+        template = cls(item_id, text.strip(), data["id"], *_skip(path, key, i, item))
         try:
             template.placeholders()
         except ValueError as err:
             raise _fail(path, key, f"table {i + 1} ({item_id}): bad placeholder: {err}") from None
         items.append(template)
     return tuple(items)
+
+
+def _skip(path: Path, key: str, i: int, item: dict) -> tuple[str, ...]:
+    """A fix's optional (skip_when, skip_why): both or neither; skip_when must compile."""
+    if "skip_when" not in item and "skip_why" not in item:
+        return ()
+    when, why = item.get("skip_when"), item.get("skip_why")
+    if not all(isinstance(v, str) and v.strip() for v in (when, why)):
+        raise _fail(path, key, f"table {i + 1}: skip_when and skip_why go together, as non-empty strings")
+    try:
+        re.compile(when, _REGEX_FLAGS)
+    except re.error as err:
+        raise _fail(path, key, f"table {i + 1}: skip_when does not compile: {err}") from None
+    return when, " ".join(why.split())
+
+
+def _check_context(path: Path, data: dict) -> None:
+    """contextual and context go together; context_chars is a positive integer."""
+    for key in ("contextual", "context"):
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise _fail(path, key, "not a list of non-empty strings")
+    if bool(data.get("contextual")) != bool(data.get("context")):
+        raise _fail(path, "context", "contextual patterns need context patterns, and the reverse")
+    chars = data.get("context_chars", CONTEXT_CHARS)
+    if isinstance(chars, bool) or not isinstance(chars, int) or chars < 1:
+        raise _fail(path, "context_chars", "must be a positive integer")
 
 
 def _check_patch(path: Path, data: dict) -> None:
@@ -259,13 +294,13 @@ def _check_patch(path: Path, data: dict) -> None:
             raise _fail(path, "patch", "a JSON patch must be an object")
 
 
-def _compile(path: Path, patterns: list[str]) -> tuple[re.Pattern[str], ...]:
+def _compile(path: Path, patterns: list[str], key: str = "patterns") -> tuple[re.Pattern[str], ...]:
     compiled = []
     for pattern in patterns:
         try:
             compiled.append(re.compile(pattern, _REGEX_FLAGS))
         except re.error as err:
-            raise _fail(path, "patterns", f"{pattern!r} does not compile: {err}")
+            raise _fail(path, key, f"{pattern!r} does not compile: {err}")
     return tuple(compiled)
 
 
@@ -294,6 +329,7 @@ def load_entry(path: Path) -> Entry:
     _check_strings(path, data)
     _check_values(path, data)
     _check_patch(path, data)
+    _check_context(path, data)
     fixes = _parse_templates(path, data, "fixes", Fix)
     messages = _parse_templates(path, data, "messages", Message)
     return Entry(
@@ -303,6 +339,12 @@ def load_entry(path: Path) -> Entry:
         sources=tuple(data["sources"]), messages=messages, patch=data.get("patch"), patch_kind=data.get("patch_kind"),
         compiled=_compile(path, data["patterns"]),
         anchors=tuple(anchor_of(p) for p in data["patterns"]),
+        contextual=tuple(data.get("contextual", ())), context=tuple(data.get("context", ())),
+        context_chars=data.get("context_chars", CONTEXT_CHARS),
+        compiled_contextual=_compile(path, data.get("contextual", []), "contextual"),
+        contextual_anchors=tuple(anchor_of(p) for p in data.get("contextual", ())),
+        compiled_context=_compile(path, data.get("context", []), "context"),
+        context_anchors=tuple(anchor_of(p) for p in data.get("context", ())),
     )
 
 
@@ -338,55 +380,7 @@ def message(entry_id: str, message_id: str) -> Message:
     return get(entry_id).get_message(message_id)
 
 
-def _line_at(text: str, offset: int) -> tuple[int, str]:
-    """1-based line number and the (cut) line that contains ``offset``."""
-    start = text.rfind("\n", 0, offset) + 1
-    end = text.find("\n", offset)
-    line = text[start:end if end != -1 else len(text)].strip()
-    if len(line) > SNIPPET_CHARS:
-        line = line[:SNIPPET_CHARS - 1] + "…"
-    return text.count("\n", 0, offset) + 1, line
-
-
-@lru_cache(maxsize=None)
-def _own_prefix(entry_id: str) -> tuple[re.Pattern[str], str]:
-    """Our own errors start with ``[<entry-id>] ``: every entry recognises its id in that form."""
-    return re.compile(r"(?<![\w\[-])\[" + re.escape(entry_id) + r"\] "), f"[{entry_id}] "
-
-
-def _match_entry(entry: Entry, text: str, lowered: str) -> Match | None:
-    last: re.Match[str] | None = None
-    last_pattern = ""
-    count = 0
-    for pattern, anchor in (*zip(entry.compiled, entry.anchors), _own_prefix(entry.id)):
-        if anchor and anchor not in lowered:
-            continue
-        start = max(0, len(text) - TAIL_CHARS) if r"\Z" in pattern.pattern else 0
-        for hit in pattern.finditer(text, start):
-            count += 1
-            if last is None or hit.start() > last.start():
-                last, last_pattern = hit, pattern.pattern
-    if last is None:
-        return None
-    line_no, snippet = _line_at(text, last.start())
-    details = {k: v for k, v in last.groupdict().items() if v}
-    return Match(entry, last_pattern, line_no, snippet, last.start(), count, details)
-
-
-def _rank(m: Match) -> tuple:
-    """Sort key, best first.
-
-    Errors before warnings before infos. A collective timeout ranks after any other error:
-    when one rank dies (OOM, an assertion), the others time out waiting for it, so the timeout
-    is usually the echo and the other error the cause. Then the later hit first, because the
-    error that stopped the run is at the end of the log.
-    """
-    is_echo = m.entry.family == "timeout"
-    return (SEVERITIES.index(m.entry.severity), is_echo, -m.offset, m.entry.id)
-
-
 def match(text: str) -> list[Match]:
-    """The entries whose patterns occur in ``text``, best first (see ``_rank``)."""
-    lowered = text.lower()
-    found = [m for entry in load_entries() if (m := _match_entry(entry, text, lowered)) is not None]
-    return sorted(found, key=_rank)
+    """The entries whose patterns occur in ``text``, best first (errors first; a collective
+    timeout after any other error, since it is usually the echo; then the later hit)."""
+    return match_entries(text, load_entries())

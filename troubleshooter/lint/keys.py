@@ -1,6 +1,11 @@
 """Rules about what the consumer can read at all: the file format, value types, "auto" values,
 keys the installed DeepSpeed does not know (checked against its own config models, harvested in a
-subprocess by ``troubleshooter.ds_schema``) and keys Lightning refuses."""
+subprocess by ``troubleshooter.ds_schema``) and keys Lightning refuses.
+
+A key that starts with ``_`` is a comment (``"_comment": "..."``): information where DeepSpeed
+ignores unknown keys, an error inside a pydantic-validated section (which refuses it). A "did you
+mean" rename is proposed only when the renamed config validates (``troubleshooter.lint.rename``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import difflib
 from typing import Any
 
 from troubleshooter import knowledge
+from troubleshooter.lint import rename
 from troubleshooter.lint.context import Context, get, is_int, nested, type_name
 
 __all__ = ["auto_values", "file_format", "lightning_keys", "unknown_keys", "value_types"]
@@ -122,8 +128,11 @@ def _check_key(ctx: Context, schema, path: str, value: Any, allowed, *, strict: 
                 knowledge.fix("unknown-config-key", "nothing-to-do"), version=version,
                 reads=LIGHTNING_ONLY_KEYS[path])
         return
+    if key.startswith("_") and key not in allowed:
+        _report_comment(ctx, path, strict=strict, version=version)
+        return
     if key not in allowed:
-        _report_unknown(ctx, path, value, allowed, strict=strict, version=version)
+        _report_unknown(ctx, schema, path, value, allowed, strict=strict, version=version)
         return
     if path in schema.deprecated:
         new = schema.deprecated[path]
@@ -160,10 +169,24 @@ def _rename_patch(path: str, new: str, value: Any) -> dict:
     return patch
 
 
-def _report_unknown(ctx: Context, path: str, value: Any, allowed, *, strict: bool,
+def _report_comment(ctx: Context, path: str, *, strict: bool, version: str) -> None:
+    """A "_..." key: a comment. DeepSpeed ignores it, except where a pydantic model forbids it."""
+    if strict:
+        ctx.add("error", path, knowledge.message("unknown-config-key", "comment-refused"),
+                knowledge.fix("unknown-config-key", "move-comment"), patch=nested({path: None}),
+                version=version)
+    else:
+        ctx.add("info", path, knowledge.message("unknown-config-key", "comment"),
+                knowledge.fix("unknown-config-key", "nothing-to-do"), version=version)
+
+
+def _report_unknown(ctx: Context, schema, path: str, value: Any, allowed, *, strict: bool,
                     version: str) -> None:
     key = path.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+    # the closest key only, and only when DeepSpeed would accept the renamed config: a farther
+    # key that happens to take the value would be a guess about what the user meant
+    close = [g for g in difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+             if rename.rename_ok(schema, path, g, value, consumer=ctx.consumer)]
     severity = "error" if strict else "warning"
     if close:
         guess = close[0]

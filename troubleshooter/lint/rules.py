@@ -8,7 +8,8 @@ import json
 from dataclasses import replace
 
 from troubleshooter import knowledge
-from troubleshooter.lint.context import Context, get, nested
+from troubleshooter.knowledge import Message
+from troubleshooter.lint.context import Context, get, is_int, nested
 
 __all__ = ["RULES"]
 
@@ -29,8 +30,40 @@ def _autoep_zero3(ctx: Context) -> bool:
     return ctx.int_at("zero_optimization.stage") == 3 and ctx.enabled("expert_parallel.enabled")
 
 
+def _says_moe(block: dict) -> bool:
+    """Whether the block describes an MoE model: not switched off, and experts or EP given."""
+    for key in ("enabled", "enable"):
+        if key in block:
+            return block[key] is True
+    experts = block.get("num_experts")
+    counts = experts if isinstance(experts, list) else [experts]
+    return any(is_int(c) and c > 1 for c in counts) or "ep_size" in block
+
+
+def _ep_note(ctx: Context, block: dict) -> Message | None:
+    """ep_size must divide the number of experts and the world size wherever it is moved to."""
+    ep = block.get("ep_size")
+    if not is_int(ep) or ep < 1:
+        return None
+    experts = block.get("num_experts")
+    counts = [int(c) for c in (experts if isinstance(experts, list) else [experts]) if is_int(c) and c > 0]
+    world = ctx.world_size
+    broken = [f"the number of experts ({c})" for c in dict.fromkeys(counts) if c % ep]
+    if world is not None and world % ep:
+        broken.append(f"the world size ({world})")
+    if not broken:
+        return None
+    known = counts + ([world] if world is not None else [])
+    valid = [d for d in range(1, min(known) + 1) if all(n % d == 0 for n in known)]
+    note = knowledge.message("moe-config-block-ignored", "note-ep-size-divides")
+    return replace(note, text=note.render(key="ep_size", value=json.dumps(ep),
+                                          what=", nor ".join(broken), valid=valid))
+
+
 def moe_block(ctx: Context) -> None:
-    """The seeds' "moe" block: DeepSpeed ignores it. One finding; a note per key."""
+    """The seeds' "moe" block: DeepSpeed ignores it. One finding; a note per key, and the two
+    facts that stay true wherever the keys are moved (fp16 on an MoE model; an ep_size that does
+    not divide the experts or the world size)."""
     block = ctx.config.get("moe")
     if block is None:
         return
@@ -39,6 +72,11 @@ def moe_block(ctx: Context) -> None:
     for key, value in items:
         note = knowledge.message("moe-config-block-ignored", MOE_NOTES.get(key, "note-unknown"))
         notes.append(replace(note, text=note.render(key=key, value=json.dumps(value))))
+    if isinstance(block, dict):
+        if ctx.enabled("fp16.enabled") and _says_moe(block):
+            notes.append(knowledge.message("moe-config-block-ignored", "note-fp16"))
+        if (ep_note := _ep_note(ctx, block)) is not None:
+            notes.append(ep_note)
     notes = tuple(notes)
     ep = block.get("ep_size") if isinstance(block, dict) else None
     if ctx.int_at("zero_optimization.stage") == 3:
