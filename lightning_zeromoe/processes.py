@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 
 def apply_timeout_to_all_groups(timeout: timedelta | None) -> int:
@@ -33,7 +32,10 @@ def apply_timeout_to_all_groups(timeout: timedelta | None) -> int:
 
     missing = _torch_private.missing_private_api()
     if missing:
-        rank_zero_warn(f"This torch lacks distributed_c10d.{', '.join(missing)}: expert-parallel groups keep the "
+        # Imported here: lightning.pytorch registers the strategy on import, which imports this module.
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(f"This torch lacks {', '.join(missing)}: expert-parallel groups keep the "
                        "backend's default collective timeout instead of ZeroMoEStrategy(timeout=...).")
         return 0
     groups = _torch_private.groups_of_this_rank()
