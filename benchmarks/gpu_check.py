@@ -1,14 +1,19 @@
-"""The checks only a GPU can answer, as one script (under 8 minutes on one GPU).
+"""The checks only a GPU can answer, as one script (under 8 minutes on one GPU), one JSON summary.
 
     python benchmarks/gpu_check.py [--json OUT.json] [--repeats 5]
 
-One GPU cannot hold two NCCL ranks, so expert parallelism is exercised at ``autoep_size=1``
-(AutoEP's layer, its router and its grouped-GEMM expert path; no all-to-all). Parts:
+One GPU cannot hold two NCCL ranks, so expert parallelism is exercised through AutoEP's layer at
+``ep_size=1`` (its router and its grouped-GEMM expert path; no all-to-all). Parts:
 
-1. ``train_bf16``: ZeRO-3 + AutoEP (``autoep_size=1``, ``use_grouped_mm=True``) trains a tiny HF
-   Mixtral in bf16 for 20 steps on one process through ``deepspeed.initialize`` directly (the
-   strategy skips AutoEP at ``ep_size=1``). Checks: parameters are bf16, the MoE blocks became
-   ``AutoEPMoELayer``, losses are finite and fall.
+1. ``strategy``: the strategy itself, as a user runs it, in a fresh process:
+   ``Trainer(accelerator="gpu", devices=1, precision="bf16-true",
+   strategy=ZeroMoEStrategy(ep_size=1, grouped_experts=True))`` over NCCL trains a tiny HF Mixtral
+   with ``ExpertUtilizationMonitor``: the conversion probe and AutoEP's conversion run at setup, then
+   bf16 training with grouped GEMM, ``trainer.save_checkpoint``, ``zeromoe-export`` (loaded back with
+   ``from_pretrained``), a same-shape resume for more steps, and ``trainer.validate``. Checks: the
+   MoE blocks became AutoEP layers with grouped GEMM, parameters are bf16, losses are finite and
+   fall, the export loads without missing keys and gives the evaluation engine's logits, the resumed
+   run continues from the saved step, validation returns a finite loss.
 2. ``oom_explain``: a real ``torch.cuda.OutOfMemoryError`` (allocating more than the device has),
    its traceback fed to ``python -m troubleshooter explain --json``. Check: it matches the CUDA
    OOM entry.
@@ -17,10 +22,11 @@ One GPU cannot hold two NCCL ranks, so expert parallelism is exercised at ``auto
 4. ``layer_throughput``: tokens/s of forward+backward of one MoE block, AutoEP's layer against HF's
    eager Mixtral block with the same weights, side by side, ``--repeats`` times; the median ratio.
 
-On a machine without CUDA, parts 1 and 4 run on the CPU instead (fp32 and bf16 with
-``use_grouped_mm=False``: torch's grouped GEMM is CUDA-only) and say so; part 2 is skipped (no
-CUDA OOM to provoke), part 3 runs and its CUDA checks report no GPU. Each part prints one line
-``[part] status: ...`` (``ok``, ``FAILED`` or ``skipped``) and the script exits 1 if any failed.
+On a machine without CUDA (the CPU fallback), part 1 runs on the CPU over gloo (bf16, without
+grouped GEMM: torch's grouped GEMM is CUDA-only) and part 4 in fp32, and both say so; part 2 is
+skipped (no CUDA OOM to provoke), part 3 runs and its CUDA checks report no GPU. Each part prints
+one line ``[part] status: ...`` (``ok``, ``FAILED`` or ``skipped``) and the script exits 1 if any
+failed.
 """
 
 from __future__ import annotations
@@ -76,40 +82,110 @@ def init_single_process(cuda: bool) -> None:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
 
-def train_bf16(cuda: bool) -> dict[str, Any]:
-    import argparse as ap
+STRATEGY_STEPS, RESUMED_STEPS = 20, 5
 
-    import deepspeed
+
+def strategy_end_to_end(cuda: bool) -> dict[str, Any]:
+    """Part 1, in a fresh process (Lightning sets up its own process group and device)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        out = Path(tmp) / "strategy.json"
+        proc = subprocess.run([sys.executable, __file__, "--strategy-part", str(out)], capture_output=True,
+                              text=True, timeout=420, cwd=REPO)
+        if not out.is_file():
+            return {"ok": False, "error": f"the strategy part exited {proc.returncode} without a result",
+                    "trace": (proc.stdout + proc.stderr)[-3000:]}
+        result = json.loads(out.read_text())
+    result["log_tail"] = [line for line in (proc.stdout + proc.stderr).splitlines() if "ZeroMoEStrategy" in line][-8:]
+    return result
+
+
+def _strategy_part(out: Path) -> None:
+    """What :func:`strategy_end_to_end` runs: train, save, export, resume, validate."""
+    import lightning as L
     import torch
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
 
+    from lightning_zeromoe import ExpertUtilizationMonitor, ZeroMoEStrategy
+    from lightning_zeromoe.checkpoint import export
     from lightning_zeromoe.models import SyntheticLMData
 
-    results = {}
-    for bf16 in ((True,) if cuda else (False, True)):
-        model = tiny_mixtral()
-        engine, *_ = deepspeed.initialize(args=ap.Namespace(device_rank=0), model=model,
-                                          model_parameters=list(model.parameters()),
-                                          config=ds_config(bf16=bf16, grouped_mm=cuda))
-        device = engine.device
-        data = SyntheticLMData(num_samples=80, seq_len=17, vocab_size=128, seed=0)
-        losses = []
-        for step in range(20):
-            ids = data.tokens[step * 4:(step + 1) * 4].to(device)
-            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-        dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
-        layers = sum(isinstance(m, AutoEPMoELayer) for m in engine.module.modules())
-        ok = all(map(lambda x: x == x and abs(x) < 1e4, losses)) and losses[-1] < losses[0] and layers == 2 \
-            and dtypes == (["torch.bfloat16"] if bf16 else ["torch.float32"])
-        results["bf16" if bf16 else "fp32"] = {"ok": ok, "first_loss": losses[0], "last_loss": losses[-1],
-                                               "param_dtypes": dtypes, "autoep_layers": layers,
-                                               "grouped_mm": cuda, "device": str(device)}
-        engine.destroy()
-    return {"ok": all(r["ok"] for r in results.values()), "runs": results,
-            "note": "" if cuda else "CPU: no grouped GEMM (CUDA-only); AutoEP's per-expert loop instead"}
+    cuda = torch.cuda.is_available()
+    held_out = SyntheticLMData(num_samples=2, seq_len=17, vocab_size=128, seed=7).tokens
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_mixtral()
+            self.losses: list[float] = []
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            ids = batch["input_ids"]
+            loss = self.net(input_ids=ids, labels=ids, use_cache=False).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            ids = batch["input_ids"]
+            self.log("val_loss", self.net(input_ids=ids, labels=ids, use_cache=False).loss)
+            self.eval_logits = self.net(input_ids=held_out.to(ids.device), use_cache=False).logits.float().cpu()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(SyntheticLMData(num_samples=160, seq_len=17, vocab_size=128, seed=0), batch_size=4)
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(SyntheticLMData(num_samples=8, seq_len=17, vocab_size=128, seed=3), batch_size=4)
+
+    def trainer(max_steps: int) -> L.Trainer:
+        return L.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, precision="bf16-true", max_steps=max_steps,
+                         strategy=ZeroMoEStrategy(ep_size=1, grouped_experts=True), logger=False,
+                         callbacks=[ExpertUtilizationMonitor(every_n_steps=5)], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=2, val_check_interval=None, check_val_every_n_epoch=1000)
+
+    t0 = time.perf_counter()
+    module = Module()
+    first = trainer(STRATEGY_STEPS)
+    first.fit(module)
+    engine = first.strategy.deepspeed_engine
+    layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+    grouped = sorted({bool(getattr(m, "use_grouped_mm", False)) for m in layers})
+    dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
+    ckpt = Path(out).with_name("ckpt")
+    first.save_checkpoint(ckpt)
+    first.validate(module, verbose=False)
+    val_loss = float(first.callback_metrics.get("val_loss", float("nan")))
+    exported = export(ckpt, Path(out).with_name("hf"), progress=False)
+    loaded, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    with torch.no_grad():
+        logits = loaded.to(torch.float32)(input_ids=held_out, use_cache=False).logits
+    gap = float((logits - module.eval_logits).abs().max() / module.eval_logits.abs().max())
+    resumed = Module()
+    second = trainer(STRATEGY_STEPS + RESUMED_STEPS)
+    second.fit(resumed, ckpt_path=ckpt)
+    losses = module.losses
+    checks = {
+        "autoep_layers": len(layers) == 2, "grouped_gemm": grouped == [cuda], "bf16": dtypes == ["torch.bfloat16"],
+        "losses_fall": all(x == x for x in losses) and losses[-1] < losses[0],
+        "export_loads": not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")),
+        # the export is bf16 (the trained dtype); the engine computed in bf16 too
+        "export_logits": gap < 2e-2,
+        "resumed": second.global_step == STRATEGY_STEPS + RESUMED_STEPS and len(resumed.losses) == RESUMED_STEPS,
+        "validate": val_loss == val_loss,
+    }
+    result = {"ok": all(checks.values()), "checks": checks, "device": str(engine.device),
+              "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+              "first_loss": losses[0], "last_loss": losses[-1], "resumed_losses": resumed.losses,
+              "val_loss": val_loss, "export_logit_gap": gap, "param_dtypes": dtypes, "grouped_mm": grouped,
+              "seconds": round(time.perf_counter() - t0, 1),
+              "note": "" if cuda else "CPU fallback: gloo, bf16 without grouped GEMM (CUDA-only)"}
+    Path(out).write_text(json.dumps(result, indent=1, default=str))
 
 
 def oom_explain(cuda: bool) -> dict[str, Any]:
@@ -158,6 +234,8 @@ def layer_throughput(cuda: bool, repeats: int) -> dict[str, Any]:
     import deepspeed
     import torch
 
+    init_single_process(cuda)
+
     dtype = torch.bfloat16 if cuda else torch.float32
     hidden, tokens = (1024, 8192) if cuda else (256, 1024)
     model = tiny_mixtral(layers=1, hidden=hidden, experts=8)
@@ -204,15 +282,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--strategy-part", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.strategy_part is not None:
+        _strategy_part(args.strategy_part)
+        return 0
     import torch
 
     cuda = torch.cuda.is_available()
     print(f"gpu_check: {'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'no CUDA device: CPU parts only'}",
           flush=True)
-    init_single_process(cuda)
     parts: dict[str, Callable[[], dict[str, Any]]] = {
-        "train_bf16": lambda: train_bf16(cuda), "oom_explain": lambda: oom_explain(cuda),
+        "strategy": lambda: strategy_end_to_end(cuda), "oom_explain": lambda: oom_explain(cuda),
         "doctor": lambda: doctor(cuda), "layer_throughput": lambda: layer_throughput(cuda, args.repeats)}
     results: dict[str, Any] = {}
     for name, part in parts.items():

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from lightning_zeromoe._private import deepspeed as ds_private
 
 #: Knowledge-base entry for every refusal of a checkpoint that does not fit the run.
 ENTRY_ID = "resume-shape-unsupported"
@@ -75,9 +76,11 @@ def names_of_block(layout: Any, section: BlockNames) -> BlockNames:
     the layout has the real path (HunYuan's ``gate.wg``, AFMoE's ``router.gate``), the
     shared-expert modules and the score bias (AFMoE's ``expert_bias``) discovery found.
     """
+    storage = getattr(layout, "storage", "fused_3d")  # a per-expert module list is the block's own fact
     return BlockNames(router=layout.router_linear, experts=layout.experts, w1=layout.w1, w2=layout.w2,
                       w3=layout.w3, shared=layout.shared_experts or section.shared,
-                      shared_gate=layout.shared_experts_gate or section.shared_gate, storage=section.storage,
+                      shared_gate=layout.shared_experts_gate or section.shared_gate,
+                      storage=storage if storage == "module_list" else section.storage,
                       score_bias=layout.score_bias or "")
 
 
@@ -106,7 +109,11 @@ def fuse_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, names: Bl
 
     The inverse of ``deepspeed/moe/ep_repack.py::_repack_fused_3d``: the target's own shapes tell
     the fused layout (``gate_up_first [E, 2*ffn, hidden]`` or ``hidden_first [E, hidden, 2*ffn]``).
+    For per-expert modules (``storage="module_list"``, the inverse of ``_repack_module_list``) the
+    names are ``{i}.<w1>.weight`` etc., relative to the experts list.
     """
+    if names.storage == "module_list":
+        return per_expert_tensors(w1, w2, w3, names)
     if names.w3 is not None:
         return {names.w1: w1, names.w3: w3, names.w2: w2}
     num, ffn, hidden = w1.shape
@@ -120,8 +127,40 @@ def fuse_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, names: Bl
                            f"{num} experts x ffn {ffn} x hidden {hidden}; the checkpoint belongs to another model.")
 
 
+def own_expert_names(names: BlockNames, num_experts: int) -> list[str]:
+    """The block's own expert tensor names, relative to its experts module: ``gate_up_proj``,
+    ``down_proj`` (fused 3-D), or ``0.gate_proj.weight``, ... (one module per expert)."""
+    own = [n for n in (names.w1, names.w2, names.w3) if n]
+    if names.storage != "module_list":
+        return own
+    return [f"{i}.{n}.weight" for i in range(num_experts) for n in own]
+
+
+def per_expert_tensors(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                       names: BlockNames) -> dict[str, torch.Tensor]:
+    """AutoEP's ``[E, ...]`` tensors -> each expert's Linear weights (``{i}.<w1>.weight``: gate ``[ffn,
+    hidden]``, up, down ``[hidden, ffn]``; gate and up stacked in one ``[2*ffn, hidden]`` Linear when
+    the experts pack them, ``names.w3`` None: ``_repack_module_list`` splits it in halves)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(w1.shape[0]):
+        if names.w3 is not None:
+            out[f"{i}.{names.w1}.weight"], out[f"{i}.{names.w3}.weight"] = w1[i], w3[i]
+        else:
+            out[f"{i}.{names.w1}.weight"] = torch.cat([w1[i], w3[i]], dim=0)
+        out[f"{i}.{names.w2}.weight"] = w2[i]
+    return out
+
+
 def split_experts(tensors: Mapping[str, torch.Tensor], names: BlockNames) -> dict[str, torch.Tensor]:
     """The original block's expert tensors (all experts) -> AutoEP's ``w1, w2, w3``."""
+    if names.storage == "module_list":
+        count = len({k.split(".", 1)[0] for k in tensors})
+        w1 = torch.stack([tensors[f"{i}.{names.w1}.weight"] for i in range(count)])
+        w2 = torch.stack([tensors[f"{i}.{names.w2}.weight"] for i in range(count)])
+        if names.w3 is not None:
+            return {"w1": w1, "w2": w2, "w3": torch.stack([tensors[f"{i}.{names.w3}.weight"] for i in range(count)])}
+        ffn = w1.shape[1] // 2
+        return {"w1": w1[:, :ffn], "w2": w2, "w3": w1[:, ffn:]}
     if names.w3 is not None:
         return {"w1": tensors[names.w1], "w2": tensors[names.w2], "w3": tensors[names.w3]}
     from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
@@ -141,7 +180,7 @@ def split_experts(tensors: Mapping[str, torch.Tensor], names: BlockNames) -> dic
 
 def autoep_layers(module: torch.nn.Module) -> dict[str, Any]:
     """The AutoEP layers of a module, by path."""
-    return {name: m for name, m in module.named_modules() if getattr(type(m), "_is_autoep_layer", False)}
+    return {name: m for name, m in module.named_modules() if ds_private.is_autoep_layer(m)}
 
 
 def local_experts(layer: Any) -> list[int]:
@@ -153,4 +192,4 @@ def local_experts(layer: Any) -> list[int]:
 
 
 __all__ = ["ENTRY_ID", "BlockNames", "ResumeShapeError", "autoep_layers", "block_names", "fuse_experts",
-           "local_experts", "own_name", "split_experts"]
+           "local_experts", "own_expert_names", "own_name", "per_expert_tensors", "split_experts"]

@@ -32,12 +32,17 @@ class ZeroOptions:
     prefetch_bucket_size: int = DEFAULT_BUCKET_SIZE
     param_persistence_threshold: int = 100_000
     gather_16bit_weights_on_save: bool = False
+    #: AutoEP's layer (grouped-GEMM experts) also at ``ep_size=1``: ``autoep_size=1``, every rank
+    #: holds every expert, no all-to-all. At ``ep_size > 1`` the blocks get that layer anyway.
+    grouped_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3 (or 'auto').")
         if not isinstance(self.ep_size, int) or self.ep_size < 1:
             raise ValueError(f"ep_size={self.ep_size!r} must be a positive integer (1 = no expert parallelism).")
+        if not isinstance(self.grouped_experts, bool):
+            raise ValueError(f"grouped_experts={self.grouped_experts!r} must be True or False.")
         if self.offload_parameters and self.stage != 3:
             raise ValueError("offload_parameters=True needs stage=3: only ZeRO-3 partitions parameters.")
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
@@ -67,13 +72,23 @@ def zero_section(opts: ZeroOptions) -> dict[str, Any]:
     return zero
 
 
+def converts_blocks(opts: ZeroOptions) -> bool:
+    """Whether AutoEP replaces the MoE blocks: expert parallelism, or ``grouped_experts`` at ep_size=1."""
+    return opts.ep_size > 1 or opts.grouped_experts
+
+
 def expert_parallel_section(opts: ZeroOptions, locate: Mapping[str, Any], use_grouped_mm: bool) -> dict[str, Any]:
-    """The AutoEP section: ``autoep_size`` plus the keys that locate the blocks."""
+    """The AutoEP section: ``autoep_size`` plus the keys that locate the blocks (``autoep_size=1``
+    with ``grouped_experts``: AutoEP's layer, every expert local, no all-to-all)."""
     return {"enabled": True, "autoep_size": opts.ep_size, "use_grouped_mm": use_grouped_mm, **locate}
 
 
 def build_config(opts: ZeroOptions, locate: Mapping[str, Any] | None, *, use_grouped_mm: bool) -> dict[str, Any]:
-    """The strategy's own DeepSpeed config, before the user's config is merged over it."""
+    """The strategy's own DeepSpeed config, before the user's config is merged over it.
+
+    ``locate``: discovery's AutoEP keys, or None when AutoEP converts nothing (no block found, or
+    ``ep_size=1`` without ``grouped_experts``: see :func:`converts_blocks`).
+    """
     config: dict[str, Any] = {
         "zero_allow_untested_optimizer": True,
         "zero_optimization": zero_section(opts),

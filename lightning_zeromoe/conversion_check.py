@@ -1,21 +1,25 @@
 """Prove each AutoEP conversion before training: the converted block computes what the original did.
 
 Before ``deepspeed.initialize`` (which replaces the blocks), every rank builds, for each block
-the discovery wants converted, the very ``AutoEPMoELayer`` AutoEP would build, from the same
-``expert_parallel`` section, but with ``ep_size=1`` so it holds every expert and needs no
-communication. It runs the original block and that layer on the same seeded probe batch and
-compares the outputs, and the router logits where the model records them for its aux loss
-(what the converted layer will hand Hugging Face's recorder after :func:`restore_router_logits`).
-A block that differs by more than the dtype's tolerance is not converted: it falls back to
-ZeRO-3 without EP, and the message says which block, by how much, and what the mapping was.
+the discovery wants converted, the very ``AutoEPMoELayer`` AutoEP would build, from the section
+DeepSpeed will get, but with ``ep_size=1`` so it holds every expert and needs no communication.
+:func:`lightning_zeromoe.conversion_probe.probe` runs the original block and that layer on the
+same seeded tokens, in fp32 copies whatever the training dtype, in training mode, forward and
+backward, with enough tokens that every expert receives some, and compares the output, the
+router logits the model records for its aux loss (what the converted layer will hand Hugging
+Face's recorder after :func:`restore_router_logits`), and the gradients of the block's input, of
+the router weight (and of the experts, where the grouped-GEMM expert path is compared too: where
+the section turns it on). A block that differs by more than 1e-4 (relative) is not converted: it falls
+back to ZeRO-3 without EP, and the message says which block, by how much, and what the mapping
+was. :func:`probe_summary` is the log line: the worst errors, the bf16 gap, the grouped path,
+and what the probe cannot see.
 
 Under ZeRO-3 the block's parameters may already be partitioned (``zero.Init``): they are
 gathered one block at a time for the probe and released. The verdicts are all-reduced (a block
 converts only if it passed on every rank), so the ranks cannot disagree on the module tree.
 
 DeepSpeed internals used here and only here: ``AutoEP.ep_parser``, ``AutoEPMoELayer``,
-``parse_autoep_config`` (``deepspeed.module_inject``, 0.19.8); transformers'
-``install_output_capuring_hook`` (``transformers.utils.output_capturing``, 5.22).
+``parse_autoep_config`` (``deepspeed.module_inject``, 0.19.8).
 """
 
 from __future__ import annotations
@@ -24,23 +28,32 @@ import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from lightning_zeromoe import collectives
+from lightning_zeromoe.conversion_probe import (ProbeError, Side, expert_weight_names, output_of, parameter_name,
+                                                probe, recorded_by)
 from lightning_zeromoe.discovery import Discovery, MoEBlock
 from lightning_zeromoe.moe_structure import SCORE_BIAS
+from lightning_zeromoe.probe_report import COMPARE_TOLERANCE, ProbeReport, summary_line
+from lightning_zeromoe.router_logits import (match_output_contract, raw_router_logits, restore_router_logits,
+                                             router_logit_recorders)
+from lightning_zeromoe._private import deepspeed as ds_private
+from lightning_zeromoe._private import torch as torch_private
 
 ENTRY_ID = "moe-conversion-mismatch"
-#: AutoEP presets whose adapter already hands HF's recorder the raw router logits.
-_RETARGETING_PRESETS = ("mixtral", "qwen3_moe", "minimax_m3")
+__all__ = ["BlockCheck", "check_block", "check_conversion", "match_output_contract", "narrowed_config",
+           "probe_summary", "register_fallback_leaves", "restore_router_logits", "router_logit_recorders",
+           "tolerance_for"]
 
 
 @dataclass(frozen=True)
 class BlockCheck:
-    """The verdict for one block: relative errors of the output and of the recorded router logits."""
+    """The verdict for one block: relative errors of the output and of the recorded router logits,
+    and everything else the probe measured (``report``; None when the probe could not run)."""
 
     path: str
     passed: bool
@@ -49,21 +62,31 @@ class BlockCheck:
     tolerance: float
     detail: str = ""
     returns_tuple: bool = False
+    report: ProbeReport | None = None
 
     def message(self, section: dict[str, Any]) -> str:
         """The user-facing warning; ``section`` is the ``expert_parallel`` section that was probed."""
         keys = ("preset_model", "score_func", "route_norm", "routed_scaling_factor", "top_k", "score_apply",
                 "num_expert_groups", "shared_experts_pattern", "shared_experts_gate_pattern", "expert_activation")
         mapping = ", ".join(f"{k}={section[k]!r}" for k in keys if k in section) or "AutoEP defaults"
+        how = ""
+        if self.report is not None:
+            how = (f"; compared in {self.report.compute_dtype.replace('torch.', '')}, training mode, "
+                   f"{self.report.tokens} tokens")
         return (f"[{ENTRY_ID}] {self.path}: the expert-parallel conversion does not compute what the original "
-                f"block does ({self.detail}; tolerance {self.tolerance:g}; AutoEP section: {mapping}). This block "
+                f"block does ({self.detail}; tolerance {self.tolerance:g}{how}; AutoEP section: {mapping}). This block "
                 "trains under ZeRO-3 without expert parallelism instead. If the mapping is wrong, set it with "
                 "moe_pattern=MoEPattern(..., route_norm=..., score_func=...).")
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
-    """Relative max-abs error allowed between two implementations of the same block."""
-    return {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}.get(dtype, 1e-4)
+    """Relative max-abs error two implementations of one block show in ``dtype`` (rounding alone).
+
+    The probe compares in fp32 (:data:`COMPARE_TOLERANCE`), whatever the training dtype; the
+    larger values are what a comparison in that dtype would have to accept.
+    """
+    return {torch.float64: 1e-9, torch.float32: COMPARE_TOLERANCE, torch.bfloat16: 4e-2,
+            torch.float16: 1e-2}.get(dtype, COMPARE_TOLERANCE)
 
 
 @contextlib.contextmanager
@@ -100,131 +123,119 @@ class _Holder(nn.Module):
         self.config = config
 
 
-def router_logit_recorders(root: nn.Module) -> list[tuple[type, int, str | None]]:
-    """``(target class, output index, layer_name)`` of every HF recorder of ``router_logits`` under root."""
-    found: list[tuple[type, int, str | None]] = []
-    for module in root.modules():
-        specs = getattr(type(module), "_can_record_outputs", None)
-        spec = specs.get("router_logits") if isinstance(specs, dict) else None
-        for item in (spec if isinstance(spec, list) else [spec] if spec is not None else []):
-            target = getattr(item, "target_class", item)
-            if isinstance(target, type):
-                entry = (target, int(getattr(item, "index", 1)), getattr(item, "layer_name", None))
-                if entry not in found:
-                    found.append(entry)
-    return found
+def _section_for_probe(found: Discovery, section: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The section AutoEP will use (``section``, else discovery's), for this one block, every expert local."""
+    base = dict(section) if section else {**found.autoep, "use_grouped_mm": False}
+    base = {k: v for k, v in base.items() if k not in ("enabled", "autoep_size")}
+    base.update(enabled=True, autoep_size=1, moe_layer_pattern="block")
+    return base
 
 
-def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
+def _release(layer: nn.Module) -> None:
+    """Free the probe layer's own tensors now (its router and experts; the shared experts are the
+    block's): the module sits in reference cycles that only a full garbage collection would free."""
+    for part in (getattr(layer, "router", None), getattr(layer, "experts", None)):
+        for p in part.parameters() if part is not None else ():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    if a.numel() != b.numel():
-        return float("inf")
-    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-12))
+def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, section: Mapping[str, Any] | None = None,
+                tokens: int | None = None, seed: int = 1234, expert_grads: bool | None = None) -> BlockCheck:
+    """Probe one block against the AutoEP layer its section would build (see the module docstring).
 
-
-def _record(module: nn.Module, recorders: list[tuple[type, int, str | None]]) -> tuple[list[torch.Tensor], list]:
-    got: list[torch.Tensor] = []
-    handles = []
-    for name, sub in module.named_modules():
-        for target, index, _ in recorders:
-            if isinstance(sub, target):
-                def hook(_m: nn.Module, _a: Any, out: Any, index: int = index) -> None:
-                    got.append(out[index] if isinstance(out, tuple) else out)
-                handles.append(sub.register_forward_hook(hook))
-    return got, handles
-
-
-def _section_for_probe(found: Discovery) -> dict[str, Any]:
-    section = {k: v for k, v in found.autoep.items() if k not in ("enabled", "autoep_size")}
-    section.update(enabled=True, autoep_size=1, use_grouped_mm=False, moe_layer_pattern="block")
-    return section
-
-
-def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, tokens: int = 16,
-                seed: int = 1234) -> BlockCheck:
-    """Probe one block against the AutoEP layer its section would build (see the module docstring)."""
+    ``section``: the ``expert_parallel`` section DeepSpeed will get (its ``use_grouped_mm`` selects
+    whether the grouped-GEMM path is compared too); without it, discovery's with the loop path.
+    ``tokens``: a fixed probe size instead of :func:`lightning_zeromoe.conversion_probe.probe_tokens`.
+    ``expert_grads``: compare the expert weights' gradients too (None: when the grouped path is compared).
+    """
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
     block = root.get_submodule(block_info.path)
-    recorders = router_logit_recorders(root)
     ref = next((p for p in block.parameters()), None)
     dtype = ref.dtype if ref is not None else torch.float32
     device = ref.device if ref is not None else torch.device("cpu")
-    tol = tolerance_for(dtype)
-    hidden = block_info.layout.hidden_size if block_info.layout else None
+    tol = COMPARE_TOLERANCE  # the probe compares in fp32 copies, whatever the model's dtype
+
+    def refused(detail: str, report: ProbeReport | None = None) -> BlockCheck:
+        return BlockCheck(block_info.path, False, None, None, tol, detail, report=report)
+
+    probe_section = _section_for_probe(found, section)
     # AutoEP gathers a ZeRO-3 block's parameters itself while it builds the layer, so the block is
-    # gathered for the forward passes only (nested gathers of one parameter are refused).
-    with _attributes_kept(block), torch.no_grad():
+    # gathered for the probe runs only (nested gathers of one parameter are refused). Building the
+    # layer initialises its router: under a forked RNG, so the model's random stream stays as it was.
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    ds_private.check_autoep_api()  # an API change is an error with the version in it, not a refusal
+    with _attributes_kept(block), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         try:
-            config = parse_autoep_config(_section_for_probe(found))
+            config = parse_autoep_config(probe_section)
             specs = AutoEP(_Holder(block, found.root_config), config).ep_parser()
             if len(specs) != 1:
-                return BlockCheck(block_info.path, False, None, None, tol, f"AutoEP detected {len(specs)} blocks")
+                return refused(f"AutoEP detected {len(specs)} blocks")
             spec = specs[0]
             layer = AutoEPMoELayer(spec=spec, source_module=block, ep_size=1, ep_rank=0, config=config)
             layer.to(device=device, dtype=dtype)
-            _raw_router_logits(layer)
+            raw_router_logits(layer)
         except Exception as exc:  # noqa: BLE001 - AutoEP refusing the block is a verdict, not a crash
-            return BlockCheck(block_info.path, False, None, None, tol, f"AutoEP refused it: {exc}")
+            return refused(f"AutoEP refused it: {exc}")
+    try:
         with _gathered(block):
-            hidden = hidden or spec.hidden_size
-            gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(2, tokens // 2, hidden, generator=gen).to(device=device, dtype=dtype)
-            want_logits, handles = _record(block, recorders)
+            hidden = (block_info.layout.hidden_size if block_info.layout else None) or spec.hidden_size
+            num_experts = int(spec.num_experts)
+            router = getattr(getattr(block, spec.router_name, None), "weight", None)
+            grouped = bool(probe_section.get("use_grouped_mm"))
+            experts = grouped if expert_grads is None else expert_grads
+            original = Side(block, parameter_name(block, router),
+                            expert_weight_names(block, spec.experts_name, num_experts) if experts else (),
+                            recorded_by(router_logit_recorders(root)))
+            converted = Side(layer, "router.gate.weight",
+                             expert_weight_names(layer, "experts", num_experts) if experts else (),
+                             output_of("router.gate"))
+            # A tuple where the caller unpacks one is fatal (Llama-4): the layer must return what the block does.
             try:
-                original = block(x)
-                want = _first(original)
-            except Exception as exc:  # noqa: BLE001
-                return BlockCheck(block_info.path, False, None, None, tol, f"the original block cannot be probed: {exc}")
-            finally:
-                for h in handles:
-                    h.remove()
-            returns_tuple = isinstance(original, tuple)
-            match_output_contract(layer, returns_tuple)
-            try:
-                converted = layer(x)
-                got = _first(converted)
-            except Exception as exc:  # noqa: BLE001
-                return BlockCheck(block_info.path, False, None, None, tol, f"the AutoEP layer fails on it: {exc}")
-            if not bool(want.abs().max() > 0):
-                return BlockCheck(block_info.path, False, None, None, tol,
-                                  "the original block outputs zeros on the probe, so the probe proves nothing")
-            # A tuple where the caller unpacks one is fatal (Llama-4); the reverse is Qwen3.5's preset
-            # contract, which its decoder layer unpacks.
-            if returns_tuple and not isinstance(converted, tuple):
-                return BlockCheck(block_info.path, False, None, None, tol, "the AutoEP layer returns "
-                                  f"{type(converted).__name__} where the original returns {type(original).__name__}")
-            out_err = _rel(want, got)
-            logits_err = None
-            if want_logits:
-                logits_err = _rel(want_logits[0], layer.router.gate(x.reshape(-1, hidden)))
+                report = probe(original, converted, hidden=hidden, num_experts=num_experts, top_k=int(spec.top_k),
+                               model_dtype=dtype, device=device, grouped=grouped,
+                               tokens=tokens, seed=seed, tokens_per_expert=lambda: _counts(layer),
+                               before_converted=lambda returns_tuple: match_output_contract(layer, returns_tuple))
+            except ProbeError as err:
+                what = "cannot be probed" if err.side == "the original block" else "fails on it"
+                return refused(f"{err.side} {what}: {err.error}")
+    finally:
+        _release(layer)
+    return _verdict(block_info.path, report, tol)
+
+
+def _counts(layer: nn.Module) -> torch.Tensor | None:
+    counts = getattr(layer, "tokens_per_expert", None)
+    return None if counts is None else counts.detach().clone()
+
+
+def _verdict(path: str, report: ProbeReport, tol: float) -> BlockCheck:
+    """Pass or fail from what the probe measured, with one clause per problem."""
+    if not report.output_scale > 0:
+        return BlockCheck(path, False, None, None, tol, "the original block outputs zeros on the probe, so the "
+                          "probe proves nothing", report=report)
     problems = []
-    if not out_err <= tol:
-        problems.append(f"output differs by {out_err:.3g} (relative max-abs)")
-    if logits_err is not None and not logits_err <= tol:
-        problems.append(f"recorded router logits differ by {logits_err:.3g}, so the aux loss would change")
-    return BlockCheck(block_info.path, not problems, out_err, logits_err, tol, "; ".join(problems), returns_tuple)
-
-
-def match_output_contract(layer: nn.Module, returns_tuple: bool) -> None:
-    """A block that returns ``(hidden, router_logits)`` (Llama-4) gets a layer that does the same,
-    with the raw logits of its router (AutoEP detects this contract only from HF recorders)."""
-    if returns_tuple and not getattr(layer, "return_router_logits", False):
-        layer.return_router_logits = True
-        layer.router_logits_capture_target = "router"
-        layer.router_logits_capture_mode = "raw"
-
-
-def _raw_router_logits(layer: nn.Module) -> None:
-    """Qwen3.5's preset hands HF softmax probabilities, which HF's aux loss softmaxes again: hand raw logits."""
-    if getattr(layer, "return_router_logits", False) and getattr(layer, "router_logits_capture_target", "") == "router":
-        layer.router_logits_capture_mode = "raw"
+    if report.original_is_tuple and not report.converted_is_tuple:
+        problems.append("the AutoEP layer returns a tensor where the original returns a tuple")
+    what = {"output": "output differs by {:.3g} (relative max-abs)",
+            "logits": "recorded router logits differ by {:.3g}, so the aux loss would change",
+            "input_grad": "the gradient of the block's input differs by {:.3g}",
+            "router_grad": "the router weight's gradient differs by {:.3g}",
+            "expert_grads": "the expert weights' gradients (per-expert norms) differ by {:.3g}"}
+    for key, error in report.errors.items():
+        if not error <= tol:
+            problems.append(what[key].format(error))
+    if report.random_in_training and problems:
+        problems.append("the original block is random in training mode (dropout or noise), which AutoEP's layer "
+                        "does not reproduce")
+    if report.grouped == "failed":
+        worst = ", ".join(f"{k} {e:.3g} > {b:.3g}" for k, (e, b) in report.grouped_errors.items() if e > b)
+        problems.append(f"the grouped-GEMM expert path training uses differs ({worst})")
+    return BlockCheck(path, not problems, report.errors.get("output"), report.errors.get("logits"), tol,
+                      "; ".join(problems), report.original_is_tuple, report)
 
 
 def router_aliases(root: nn.Module, found: Discovery, install: bool) -> list[str]:
@@ -245,8 +256,8 @@ def router_aliases(root: nn.Module, found: Discovery, install: bool) -> list[str
         module = root.get_submodule(block.path)
         if install:
             module.add_module(ROUTER_ALIAS, module.get_submodule(layout.router_linear))
-        elif ROUTER_ALIAS in module._modules:
-            del module._modules[ROUTER_ALIAS]
+        elif ROUTER_ALIAS in torch_private.child_table(module):
+            del torch_private.child_table(module)[ROUTER_ALIAS]
         done.append(block.path)
     return done
 
@@ -270,29 +281,31 @@ def bias_aliases(root: nn.Module, found: Discovery, install: bool) -> list[str]:
             if isinstance(bias, nn.Parameter):
                 module.register_parameter(SCORE_BIAS, bias)
             else:
-                module.register_buffer(SCORE_BIAS, bias, persistent="expert_bias" not in module._non_persistent_buffers_set)
+                module.register_buffer(SCORE_BIAS, bias, persistent="expert_bias" not in torch_private.non_persistent_buffers(module))
         else:
-            module._parameters.pop(SCORE_BIAS, None)
-            module._buffers.pop(SCORE_BIAS, None)
+            torch_private.own_parameters(module).pop(SCORE_BIAS, None)
+            torch_private.own_buffers(module).pop(SCORE_BIAS, None)
         done.append(block.path)
     return done
 
 
-def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[Discovery, list[BlockCheck]]:
+def check_conversion(root: nn.Module, found: Discovery, *, section: Mapping[str, Any] | None = None,
+                     tokens: int | None = None, seed: int = 1234,
+                     expert_grads: bool | None = None) -> tuple[Discovery, list[BlockCheck]]:
     """Probe every block ``found`` wants converted; return the discovery without the failed ones.
 
+    ``section``: the ``expert_parallel`` section DeepSpeed will get (see :func:`check_block`).
     Router aliases (:func:`router_aliases`) are installed for the blocks that pass and removed from
     the others, so the model is ready for ``deepspeed.initialize`` with the returned discovery.
     """
     router_aliases(root, found, install=True)
     bias_aliases(root, found, install=True)
-    checks = []
-    for block in found.blocks:
-        checks.append(check_block(root, block, found, **probe))
-        gc.collect()  # the probe layer (a whole block's experts) sits in reference cycles: free it now
+    checks = [check_block(root, block, found, section=section, tokens=tokens, seed=seed, expert_grads=expert_grads)
+              for block in found.blocks]
+    gc.collect()  # the probe layers' tensors are freed already (_release); their modules sit in cycles
     passed = _agree_over_ranks([c.passed for c in checks])
-    checks = [c if ok == c.passed else BlockCheck(c.path, False, c.output_error, c.logits_error, c.tolerance,
-                                                    "it failed the probe on another rank") for c, ok in zip(checks, passed)]
+    checks = [c if ok == c.passed else dataclasses.replace(c, passed=False, detail="it failed the probe on another "
+                                                           "rank") for c, ok in zip(checks, passed)]
     failed = {c.path: f"the conversion probe failed ({c.detail})" for c in checks if not c.passed}
     tuples = {c.path for c in checks if c.passed and c.returns_tuple}
     found = dataclasses.replace(found, blocks=[dataclasses.replace(b, returns_tuple=b.path in tuples)
@@ -300,6 +313,12 @@ def check_conversion(root: nn.Module, found: Discovery, **probe: Any) -> tuple[D
     router_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
     bias_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
     return found, checks
+
+
+def probe_summary(checks: list[BlockCheck], *, grouped_configured: bool, on_cpu: bool) -> str:
+    """One log line: what the probe compared, how closely, and what it could not see."""
+    return summary_line([c.report for c in checks if c.report is not None], passed=sum(c.passed for c in checks),
+                        total=len(checks), grouped_configured=grouped_configured, on_cpu=on_cpu)
 
 
 def _agree_over_ranks(passed: list[bool]) -> list[bool]:
@@ -310,41 +329,6 @@ def _agree_over_ranks(passed: list[bool]) -> list[bool]:
     flags = torch.tensor([1 if p else 0 for p in passed], dtype=torch.int32)
     collectives.all_reduce(flags, op=dist.ReduceOp.MIN)  # on the backend's device: NCCL has no CPU one
     return [bool(v) for v in flags.tolist()]
-
-
-def restore_router_logits(root: nn.Module, found: Discovery) -> int:
-    """After ``deepspeed.initialize``: make every converted block hand HF's recorder raw router logits.
-
-    AutoEP's Mixtral/Qwen3-MoE/MiniMax-M3 adapters retarget HF's recorder to the new router; the
-    Qwen3.5 adapter hands softmax probabilities (switched to raw logits here); a block that returns
-    ``(hidden, router_logits)`` itself (Llama-4) gets a layer that does; DeepSeek-V2/V3 and
-    custom sections retarget nothing, so a hook on the new router's projection is installed. The
-    logits recorded are exactly what :func:`check_block` compared. Returns the hooks installed.
-    """
-    recorders = router_logit_recorders(root)
-    if not recorders or not found.blocks:
-        return 0
-    from transformers.utils.output_capturing import install_output_capuring_hook
-
-    preset = found.autoep.get("preset_model")
-    installed = 0
-    for block in found.blocks:
-        layer = root.get_submodule(block.path)
-        if not hasattr(layer, "router"):
-            continue
-        _raw_router_logits(layer)
-        match_output_contract(layer, block.returns_tuple)
-        if preset in _RETARGETING_PRESETS or preset == "qwen3_5_moe":  # AutoEP's adapter feeds the recorder
-            continue
-        # A layer that returns (hidden, logits) computes its logits with a second call of its router
-        # projection: record its output then, or each layer's logits would be recorded twice.
-        target, index = (layer, 1) if getattr(layer, "return_router_logits", False) else (layer.router.gate, 0)
-        if getattr(target, "_zeromoe_logits_hook", False):
-            continue
-        install_output_capuring_hook(target, "router_logits", index)
-        target._zeromoe_logits_hook = True
-        installed += 1
-    return installed
 
 
 def register_fallback_leaves(root: nn.Module, found: Discovery, ep_converts: bool) -> list[str]:

@@ -1,7 +1,8 @@
 """What an MoE block looks like, found by structure rather than by name.
 
 A block is a module with two children: a *router* whose weight projects hidden -> E, and an
-*experts* module holding 3-D weights whose first dimension is E. Names differ across the ~27
+*experts* module holding 3-D weights whose first dimension is E, or a ``ModuleList`` of E identical
+expert MLPs (:mod:`lightning_zeromoe.expert_list`: the hand-written kind). Names differ across the ~27
 Hugging Face MoE families (``gate``, ``router``, ``gate.wg``, ``router.layer``; blocks at
 ``mlp``, ``block_sparse_moe``, ``feed_forward``); the structure does not. :func:`find_blocks`
 returns one :class:`BlockLayout` per block, with the model's own parameter names (what export
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_zeromoe.expert_list import ExpertList, find_expert_list, shape_of
+
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 SHARED_GATE_NAMES = ("shared_expert_gate",)
 #: Tensors a block may carry for routing besides the router weight (kept, and named for export).
@@ -28,11 +31,6 @@ SCORE_BIAS = "e_score_correction_bias"
 #: ``<router>.weight`` from a direct child (see :func:`lightning_zeromoe.conversion_check.router_aliases`).
 ROUTER_ALIAS = "zeromoe_router"
 _NUM_EXPERTS_ATTRS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
-    """The full shape, also for a ZeRO-3 partitioned parameter (which keeps it as ``ds_shape``)."""
-    return tuple(int(s) for s in getattr(tensor, "ds_shape", tensor.shape))
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,8 @@ class BlockLayout:
     w1: str                           # gate+up fused ("gate_up_proj") or gate alone when w3 is set
     w2: str                           # down projection
     w3: str | None = None             # up projection when stored apart from the gate
-    #: ``gate_up_first``: w1 is [E, 2F, H] (Mixtral); ``hidden_first``: w1 is [E, H, 2F] (GPT-OSS, Llama-4).
+    #: ``gate_up_first``: w1 is [E, 2F, H] (Mixtral); ``hidden_first``: w1 is [E, H, 2F] (GPT-OSS, Llama-4);
+    #: ``per_expert``: one module per expert (``storage="module_list"``).
     layout: str = "gate_up_first"
     router_bias: str | None = None
     shared_experts: str | None = None
@@ -58,6 +57,12 @@ class BlockLayout:
     #: Why AutoEP cannot take this block as it is (None: it can be tried).
     unsupported: str | None = None
     block_class: str = ""
+    #: ``fused_3d`` (3-D ``[E, ...]`` tensors) or ``module_list`` (``experts.{i}.<w1>.weight``, AutoEP's
+    #: name for per-expert modules): then ``w1``/``w2``/``w3`` name each expert's Linear children.
+    storage: str = "fused_3d"
+    #: AutoEP's name of the experts' activation where it was read off the experts (module lists);
+    #: None: not read (AutoEP's default, ``swiglu``).
+    expert_activation: str | None = None
 
     @property
     def router_linear(self) -> str:
@@ -144,8 +149,26 @@ def _routing_tensors(block: nn.Module) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
+def _list_layout(path: str, block: nn.Module, found: ExpertList) -> BlockLayout:
+    """The layout of a block whose experts are a ``ModuleList`` (roles guessed from shapes and names;
+    :func:`lightning_zeromoe.block_probe.read_experts` reads them off the experts)."""
+    w1, w2, w3 = found.guess_roles() if found.linears else ("", "", None)
+    bias = getattr(block.get_submodule(found.router_weight.rsplit(".", 1)[0]), "bias", None)
+    shared = next((n for n in SHARED_EXPERT_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    shared_gate = next((n for n in SHARED_GATE_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    router_bias = f"{found.router_weight.rsplit('.', 1)[0]}.bias" if isinstance(bias, torch.Tensor) else None
+    return BlockLayout(path=path, num_experts=found.num_experts, hidden_size=found.hidden_size, router=found.router,
+                       router_weight=found.router_weight, experts=found.experts, w1=w1, w2=w2, w3=w3,
+                       layout="per_expert", router_bias=router_bias,
+                       shared_experts=shared, shared_experts_gate=shared_gate, extra_tensors=_routing_tensors(block),
+                       unsupported=found.unsupported, block_class=type(block).__name__, storage="module_list")
+
+
 def analyse_block(path: str, block: nn.Module, num_experts: int | None = None) -> BlockLayout | None:
     """The layout of ``block`` if it is an MoE block (router [E, H] + experts), else None."""
+    listed = find_expert_list(block, num_experts)
+    if listed is not None:
+        return _list_layout(path, block, listed)
     router = _router_weight(block, num_experts)
     if router is None:
         return None

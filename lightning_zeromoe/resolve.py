@@ -8,7 +8,10 @@ checked and used:
   ``stage=`` and over ``stage="auto"``), decided in :func:`effective_stage` only;
 * the expert-parallel size is ``expert_parallel.autoep_size`` when the user sets it, and a user
   ``expert_parallel.enabled: false`` together with ``ep_size > 1`` is refused, never silently
-  applied (:func:`effective_ep_size`).
+  applied (:func:`effective_ep_size`);
+* AutoEP's layer without expert parallelism (``grouped_experts=True``, or a user section with
+  ``enabled: true`` at ``autoep_size`` 1) is decided in :func:`effective_grouped_experts`, which
+  refuses the contradictions (``enabled: false``, ``use_grouped_mm: false``).
 
 Pure: numbers, dicts and the discovery result in; a typed :class:`ResolvedConfig` out.
 """
@@ -19,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from lightning_zeromoe.config import ZeroOptions, build_config, merge_config, zero_stage
+from lightning_zeromoe.config import ZeroOptions, build_config, converts_blocks, merge_config, zero_stage
 from lightning_zeromoe.discovery import Discovery
 from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 
@@ -42,6 +45,8 @@ class ResolvedConfig:
     config: dict[str, Any]
     stage: int
     ep_size: int
+    #: AutoEP's layer at ep_size=1 (``grouped_experts``; see :func:`effective_grouped_experts`).
+    grouped_experts: bool = False
     #: Validation warnings (rank 0 warns each once).
     warnings: list[str] = field(default_factory=list)
     #: Info lines: overrides from the user's config, the stage choice.
@@ -49,6 +54,7 @@ class ResolvedConfig:
 
     @property
     def expert_parallel(self) -> bool:
+        """Whether AutoEP converts blocks (with ``ep_size > 1`` or ``grouped_experts``)."""
         section = self.config.get("expert_parallel") or {}
         return bool(section.get("enabled", False))
 
@@ -77,6 +83,30 @@ def effective_ep_size(ep_size: int, user: Mapping[str, Any] | None) -> int:
                 "integer (or remove it and pass ZeroMoEStrategy(ep_size=...)).")
         return size
     return ep_size
+
+
+def effective_grouped_experts(grouped_experts: bool, ep_size: int, user: Mapping[str, Any] | None) -> bool:
+    """Whether the blocks get AutoEP's layer at ``ep_size`` 1. Needs no model: also used at construction.
+
+    True with ``grouped_experts=True``, or when the user's own section says ``enabled: true`` while
+    the effective ``autoep_size`` is 1 (what AutoEP does with that section). Refused: asking for it
+    while the section says ``enabled: false`` (AutoEP would be skipped) or ``use_grouped_mm: false``
+    (the grouped GEMM it is asked for would be switched off).
+    """
+    section = user_section(user, "expert_parallel")
+    if grouped_experts and section.get("enabled") is False:
+        raise ZeroMoEConfigError(
+            f"[ep-disabled-by-config] ZeroMoEStrategy(ep_size={ep_size}, grouped_experts=True) asks for AutoEP's "
+            "grouped-experts layer, but your DeepSpeed config sets expert_parallel.enabled: false, which skips "
+            "AutoEP. Choose one: drop expert_parallel.enabled from the config, or pass grouped_experts=False to "
+            "train the blocks as they are.")
+    if grouped_experts and section.get("use_grouped_mm") is False:
+        raise ZeroMoEConfigError(
+            "[merged-config-invalid] expert_parallel.use_grouped_mm=false in your config contradicts "
+            "ZeroMoEStrategy(grouped_experts=True), which exists to run the experts as one grouped GEMM. Remove "
+            "use_grouped_mm from the config (the strategy turns it on where torch's grouped GEMM runs: bf16 on "
+            "CUDA), or pass grouped_experts=False.")
+    return grouped_experts or (ep_size == 1 and section.get("enabled") is True)
 
 
 def effective_stage(stage: int, auto: bool, user: Mapping[str, Any] | None,
@@ -118,18 +148,23 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     found = found or Discovery(source="none")
     notes: list[str] = []
     ep_size = effective_ep_size(options.ep_size, user)
+    asked = options.grouped_experts
+    grouped = effective_grouped_experts(asked, ep_size, user)
     stage, why = effective_stage(options.stage, auto_stage, user, choose_stage)
     if why:
         notes.append(why)
     try:
-        options = dataclasses.replace(options, stage=stage, ep_size=ep_size)
+        options = dataclasses.replace(options, stage=stage, ep_size=ep_size, grouped_experts=grouped)
     except ValueError as err:
         raise ZeroMoEConfigError(f"[merged-config-invalid] {err}") from None
     layout = Layout(world_size=world.world_size, devices_per_node=world.devices_per_node, ep_size=ep_size,
-                    stage=stage, precision=world.precision)
+                    stage=stage, precision=world.precision, grouped_experts=grouped)
     warnings = check_layout(layout, found)
-    locate = found.autoep if (found.blocks and ep_size > 1) else None
-    base = build_config(options, locate, use_grouped_mm=grouped_mm_applies(world.on_cpu, world.precision))
+    locate = found.autoep if (found.blocks and converts_blocks(options)) else None
+    use_grouped_mm = grouped_mm_applies(world.on_cpu, world.precision)
+    if grouped and ep_size == 1:
+        notes.append(grouped_note(asked, use_grouped_mm))
+    base = build_config(options, locate, use_grouped_mm=use_grouped_mm)
     base, _ = merge_config(base, keyword_sections)
     merged, overrides = merge_config(base, user)
     notes += [f"ZeroMoEStrategy config override: {line}" for line in overrides]
@@ -137,7 +172,17 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     # Lightning sets gradient_accumulation_steps itself and refuses a config that has it.
     merged.pop("gradient_accumulation_steps", None)
     assert zero_stage(merged) == stage, "the stage is decided in effective_stage only"
-    return ResolvedConfig(config=merged, stage=stage, ep_size=ep_size, warnings=warnings, notes=notes)
+    return ResolvedConfig(config=merged, stage=stage, ep_size=ep_size, grouped_experts=grouped, warnings=warnings,
+                          notes=notes)
+
+
+def grouped_note(asked: bool, use_grouped_mm: bool) -> str:
+    """The info line for AutoEP's layer at ep_size=1: why it is on and which expert path it runs."""
+    why = "grouped_experts=True" if asked else "expert_parallel.enabled: true at autoep_size 1 in your config"
+    path = ("its grouped GEMM (torch._grouped_mm)" if use_grouped_mm else
+            "its per-expert loop (torch's grouped GEMM is used for bf16 on CUDA only)")
+    return (f"ZeroMoEStrategy: {why}: the MoE blocks become AutoEP layers without expert parallelism "
+            f"(autoep_size=1, every rank holds every expert, no all-to-all); the experts run {path}.")
 
 
 def inference_config(config: Mapping[str, Any], *, already_converted: bool) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keyw
 from lightning_zeromoe.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
                                          use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
+                                       effective_grouped_experts,
                                        inference_config, resolve, zero_init_config)
 from lightning_zeromoe.validation import ZeroMoEConfigError, check_ep_divides_world
 
@@ -71,8 +72,16 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         ep_size: Expert-parallel group size. Experts of every MoE layer are split over groups of
             ``ep_size`` ranks (``num_experts / ep_size`` each); the groups are replicated
             ``world_size / ep_size`` times. Must divide the world size and every layer's expert
-            count. 1 disables expert parallelism (AutoEP is not applied). An
-            ``expert_parallel.autoep_size`` in ``config`` wins (and is what is validated).
+            count. 1 disables expert parallelism (AutoEP is not applied, unless
+            ``grouped_experts``). An ``expert_parallel.autoep_size`` in ``config`` wins (and is what
+            is validated).
+        grouped_experts: At ``ep_size=1``, still replace each MoE block with AutoEP's layer
+            (``autoep_size=1``: every rank holds every expert, no all-to-all), for its grouped-GEMM
+            experts (``torch._grouped_mm``, bf16 on CUDA; elsewhere its per-expert loop): one GPU
+            or one node without expert parallelism. The blocks are probed, checkpointed, exported
+            and resumed exactly as expert-parallel ones. Refused with ``expert_parallel.enabled:
+            false`` or ``use_grouped_mm: false`` in ``config``. At ``ep_size > 1`` the blocks get
+            that layer anyway.
         stage: ZeRO stage, 3 by default (parameters, gradients and optimizer states sharded), or
             ``"auto"``: once the model exists, :func:`lightning_zeromoe.planner.choose_stage` picks
             the lowest stage whose model states fit the device memory and logs why. A model built
@@ -127,6 +136,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         ep_size: int = 1,
         stage: int | str = 3,
         *,
+        grouped_experts: bool = False,
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         pin_memory: bool = False,
@@ -155,15 +165,15 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             contiguous_gradients=contiguous_gradients, reduce_bucket_size=int(reduce_bucket_size),
             allgather_bucket_size=int(allgather_bucket_size), prefetch_bucket_size=int(prefetch_bucket_size),
             param_persistence_threshold=int(param_persistence_threshold),
-            gather_16bit_weights_on_save=gather_16bit_weights_on_save)
+            gather_16bit_weights_on_save=gather_16bit_weights_on_save, grouped_experts=grouped_experts)
         self.keywords = split_keywords(kwargs, offload_optimizer=offload_optimizer,
                                        offload_parameters=offload_parameters)
         source, from_env = config_source(config)
         if from_env:
             rank_zero_info(f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}")
         self.user_config = load_user_config(source)
-        # Needs no model: refuse enabled=false with ep_size > 1 now, in the user's own process.
-        effective_ep_size(ep_size, self.user_config)
+        # Needs no model: refuse enabled=false with ep_size > 1 (or grouped_experts) now, in the user's process.
+        effective_grouped_experts(grouped_experts, effective_ep_size(ep_size, self.user_config), self.user_config)
         self.moe_pattern = MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern
         self.discovery: Discovery | None = None
         #: The merged, validated config and the facts read from it; built once, in ``setup``.
@@ -405,9 +415,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
         if converts and self.discovery is not None:
-            from lightning_zeromoe.conversion_check import restore_router_logits
+            from lightning_zeromoe.conversion_check import match_output_contract, restore_router_logits
 
             restore_router_logits(self.lightning_module, self.discovery)
+            for block in self.discovery.blocks:  # (hidden, router_logits) blocks without HF recorders: hand-written
+                match_output_contract(self.lightning_module.get_submodule(block.path), block.returns_tuple)
         return engine, ds_optimizer
 
     def _prove_conversion(self, config: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -415,19 +427,24 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         that compute what the original does, mark the rest as ZeRO-3 leaf modules, and say so in
         one line. Returns the config to use and whether AutoEP will convert anything (see
         :mod:`lightning_zeromoe.conversion_check`)."""
-        from lightning_zeromoe.conversion_check import check_conversion, narrowed_config, register_fallback_leaves
+        from lightning_zeromoe.conversion_check import (check_conversion, narrowed_config, probe_summary,
+                                                        register_fallback_leaves)
 
         found, module = self.discovery, self.lightning_module
         if found is None or module is None:
             return config, False
         ep_size = self.resolved.ep_size if self.resolved else self.options.ep_size
-        ep = ep_size > 1 and bool(found.blocks) and "expert_parallel" in config
+        ep_section = config.get("expert_parallel")
+        # AutoEP converts: expert parallelism, or grouped_experts at ep_size=1 (ResolvedConfig.expert_parallel).
+        ep = bool(found.blocks) and isinstance(ep_section, dict) and bool(ep_section.get("enabled"))
         if ep:
             section = dict(found.autoep)
-            found, checks = check_conversion(module, found)
+            found, checks = check_conversion(module, found, section=ep_section)
             for check in checks:
                 if not check.passed:
                     self._once.warn(check.message(section))
+            self._once.info(probe_summary(checks, grouped_configured=bool(ep_section.get("use_grouped_mm")),
+                                          on_cpu=self._on_cpu))
             self.discovery = found
             ep = bool(found.blocks)
         # Also when nothing is probed (every block fell back at fit, and validate builds the
@@ -437,6 +454,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if found.blocks or found.fallback:
             leaf_note = f"; {len(leaves)} registered as ZeRO-3 leaf modules" if leaves else ""
             self._once.info(f"ZeroMoEStrategy: {found.summary(ep_enabled=ep_size > 1)}{leaf_note}")
+        no_ep = found.no_ep_warning(ep_size, leaves)  # the same rule and words for every kind of model
+        if no_ep:
+            self._once.warn(no_ep)
         return config, ep
 
     # ------------------------------------------------------------------ ZeRO-3 pitfalls

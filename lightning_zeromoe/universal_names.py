@@ -18,7 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from lightning_zeromoe.autoep_names import (EXPERT_WEIGHTS as _EXPERT_WEIGHTS, BlockNames, ResumeShapeError,
-                                            block_names, fuse_experts, names_for, own_name, split_experts)
+                                            block_names, fuse_experts, names_for, own_expert_names, own_name,
+                                            split_experts)
 from lightning_zeromoe.saved_checkpoint import SavedCheckpoint, load_model_states
 
 
@@ -96,7 +97,7 @@ def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: M
             written.append(dest.name)
     experts_prefix = f"{block}.{names.experts}."
     shapes = {n[len(experts_prefix):]: tuple(s) for n, s in target_params.items() if n.startswith(experts_prefix)}
-    targets = [names.w1, names.w2] + ([names.w3] if names.w3 else [])
+    targets = own_expert_names(names, len({n.split(".", 1)[0] for n in shapes}))  # per-expert modules: one per expert
     if all((zero / (experts_prefix + t) / "fp32.pt").is_file() for t in targets):
         return written
     for key in _KEYS_FP32_LAST:
@@ -145,8 +146,10 @@ def _write_autoep_names(zero: Path, block: str, names: BlockNames,
     if all((zero / f"{block}.experts.{w}" / "fp32.pt").is_file() for w in _EXPERT_WEIGHTS):
         return written
     prefix = f"{block}.{names.experts}."
-    sources = [n for n in (names.w1, names.w2, names.w3) if n]
     shapes = saved_shapes(zero.parent)  # ZeRO-3 universal files of dense tensors are flat
+    # one module per expert (experts.{i}.gate_proj.weight): as many as the source model had
+    count = len({n[len(prefix):].split(".", 1)[0] for n in shapes if n.startswith(prefix)})
+    sources = own_expert_names(names, count)
     for key in _KEYS_FP32_LAST:
         full = {}
         for n in sources:

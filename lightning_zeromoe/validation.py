@@ -40,6 +40,8 @@ class Layout:
     ep_size: int
     stage: int
     precision: str = "32-true"
+    #: AutoEP's layer at ep_size=1 (``ZeroMoEStrategy(grouped_experts=True)``).
+    grouped_experts: bool = False
 
 
 def divisors(n: int) -> list[int]:
@@ -66,13 +68,15 @@ def _check_native_moe(layout: Layout, found: Discovery) -> None:
 
 
 def _check_blocks_found(layout: Layout, found: Discovery) -> None:
-    if layout.ep_size > 1 and not found.blocks and not found.fallback:
+    if (layout.ep_size > 1 or layout.grouped_experts) and not found.blocks and not found.fallback:
         where = "\n  ".join(found.candidates) or "(no module name mentions moe/expert/router/gate)"
+        asked = f"ep_size={layout.ep_size}" if layout.ep_size > 1 else "grouped_experts=True"
         raise ZeroMoEConfigError(
-            f"[autoep-no-moe-layers] ep_size={layout.ep_size} but no MoE block was found for AutoEP to convert "
+            f"[autoep-no-moe-layers] {asked} but no MoE block was found for AutoEP to convert "
             f"(searched: {found.source if found.source != 'none' else 'HF presets and self-described modules'}). "
             "Describe your blocks with ZeroMoEStrategy(moe_pattern=MoEPattern(block=r'...', top_k=...)), "
-            f"or use ep_size=1. Modules that look MoE-like:\n  {where}")
+            f"or use ep_size=1{' and grouped_experts=False' if layout.grouped_experts else ''}. Modules that look "
+            f"MoE-like:\n  {where}")
 
 
 def check_ep_divides_world(ep_size: int, world_size: int) -> None:

@@ -88,8 +88,10 @@ def test_other_backends_use_torch_registry_of_devices():
     assert device_for_backend("ccl", default_device_backend_map=registry, backend_capability=capability) == CPU
     assert device_for_backend("ccl", torch.device("xpu", 1), default_device_backend_map=registry,
                               backend_capability=capability) == torch.device("xpu", 1)
-    # torch's own tables, read when none are passed: its fake backend declares cpu first
-    assert device_for_backend("fake") == CPU
+    # torch's own tables, read when none are passed: a device type torch declares for its fake
+    # backend (which ones can change while the process runs: plugins register more)
+    declared = set(torch.distributed.Backend.backend_capability["fake"])
+    assert declared and device_for_backend("fake").type in declared
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zeromoe.config import ZeroOptions, build_config, merge_config
+from lightning_zeromoe.config import ZeroOptions, build_config, converts_blocks, merge_config
 
 
 def test_stage3_defaults_follow_the_field_notes():
@@ -35,7 +35,16 @@ def test_user_config_wins_and_every_override_is_reported():
     ({"ep_size": 0}, "must be a positive integer"),
     ({"stage": 2, "offload_parameters": True}, "needs stage=3"),
     ({"reduce_bucket_size": 0}, "must be a positive number"),
+    ({"grouped_experts": "yes"}, "must be True or False"),
 ])
 def test_impossible_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ZeroOptions(**kwargs)
+
+
+def test_autoep_converts_with_expert_parallelism_or_grouped_experts():
+    assert not converts_blocks(ZeroOptions(ep_size=1))
+    assert converts_blocks(ZeroOptions(ep_size=2)) and converts_blocks(ZeroOptions(ep_size=1, grouped_experts=True))
+    config = build_config(ZeroOptions(grouped_experts=True), {"moe_layer_pattern": "m"}, use_grouped_mm=True)
+    assert config["expert_parallel"] == {"enabled": True, "autoep_size": 1, "use_grouped_mm": True,
+                                         "moe_layer_pattern": "m"}

@@ -12,9 +12,10 @@ from lightning_zeromoe import ZeroMoEStrategy
 from lightning_zeromoe.config import ZeroOptions
 from lightning_zeromoe.discovery import discover
 from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
-from lightning_zeromoe.resolve import (World, check_offload_optimizer, effective_ep_size, grouped_mm_applies,
-                                       inference_config, resolve, zero_init_config)
+from lightning_zeromoe.resolve import (World, check_offload_optimizer, effective_ep_size, effective_grouped_experts,
+                                       grouped_mm_applies, inference_config, resolve, zero_init_config)
 from lightning_zeromoe.validation import ZeroMoEConfigError
+from troubleshooter import knowledge
 
 WORLD = World(world_size=4, devices_per_node=4, on_cpu=True)
 
@@ -113,3 +114,62 @@ def test_offload_with_a_torch_optimizer_is_refused_naming_deepspeed_cpu_adam():
     check_offload_optimizer(config, DeepSpeedCPUAdam)  # the right optimizer passes
     check_offload_optimizer({"zero_optimization": {"stage": 3}}, torch.optim.AdamW)  # no offload: any optimizer
     check_offload_optimizer({**config, "zero_force_ds_cpu_optimizer": False}, torch.optim.AdamW)  # the user's call
+
+
+# ------------------------------------------------------------------ grouped_experts (AutoEP's layer at ep_size=1)
+
+
+def test_grouped_experts_gives_autoep_an_autoep_size_1_section():
+    """ep_size=1 + grouped_experts: the blocks are located for AutoEP with autoep_size=1; the grouped
+    GEMM is turned on where torch runs it (bf16 on CUDA) and the note says which expert path runs."""
+    found = discover(TinyMoEModule())
+    plain = resolve(ZeroOptions(ep_size=1), World(2, 2, True), found)
+    assert "expert_parallel" not in plain.config and not plain.expert_parallel and not plain.grouped_experts
+    cpu = resolve(ZeroOptions(ep_size=1, grouped_experts=True), World(2, 2, True), found)
+    assert cpu.config["expert_parallel"] == {"enabled": True, "autoep_size": 1, "use_grouped_mm": False,
+                                             **found.autoep}
+    assert cpu.ep_size == 1 and cpu.grouped_experts and cpu.expert_parallel
+    assert any("become AutoEP layers without expert parallelism" in n and "per-expert loop" in n for n in cpu.notes)
+    gpu = resolve(ZeroOptions(ep_size=1, grouped_experts=True), World(1, 1, False, precision="bf16-true"), found)
+    assert gpu.config["expert_parallel"]["use_grouped_mm"] is True and gpu.config["expert_parallel"]["autoep_size"] == 1
+    assert any("torch._grouped_mm" in n for n in gpu.notes)
+    # At ep_size > 1 the flag changes nothing: the blocks get AutoEP's layer anyway.
+    ep2 = resolve(ZeroOptions(ep_size=2, grouped_experts=True), World(2, 2, True), found)
+    without = resolve(ZeroOptions(ep_size=2), World(2, 2, True), found)
+    assert ep2.config["expert_parallel"] == without.config["expert_parallel"]
+
+
+def test_users_enabled_section_at_autoep_size_1_means_grouped_experts():
+    """A config that enables AutoEP at autoep_size 1 by itself gets what grouped_experts gives (the blocks
+    located), not a section AutoEP could not match against the LightningModule's names."""
+    found = discover(TinyMoEModule())
+    for user in ({"expert_parallel": {"enabled": True}}, {"expert_parallel": {"enabled": True, "autoep_size": 1}}):
+        out = resolve(ZeroOptions(ep_size=1), World(2, 2, True), found, user=user)
+        assert out.grouped_experts and out.config["expert_parallel"]["moe_layer_pattern"] == r"model\.layers\.\d+\.mlp"
+        assert any("expert_parallel.enabled: true at autoep_size 1 in your config" in n for n in out.notes)
+    assert not effective_grouped_experts(False, 2, {"expert_parallel": {"enabled": True}})  # that is EP
+
+
+@pytest.mark.parametrize("config, entry, words", [
+    ({"expert_parallel": {"enabled": False}}, "ep-disabled-by-config",
+     r"^\[ep-disabled-by-config\] ZeroMoEStrategy\(ep_size=1, grouped_experts=True\) asks for AutoEP's grouped-"
+     r"experts layer, but your DeepSpeed config sets expert_parallel.enabled: false"),
+    ({"expert_parallel": {"use_grouped_mm": False}}, "merged-config-invalid",
+     r"^\[merged-config-invalid\] expert_parallel.use_grouped_mm=false in your config contradicts "
+     r"ZeroMoEStrategy\(grouped_experts=True\)"),
+])
+def test_contradictory_grouped_experts_config_is_refused_at_construction(config, entry, words):
+    with pytest.raises(ZeroMoEConfigError, match=words) as err:
+        ZeroMoEStrategy(grouped_experts=True, config=config)
+    assert err.value.entry_id == entry and knowledge.match(str(err.value))[0].entry.id == entry
+    ZeroMoEStrategy(grouped_experts=False, config=config)  # without the flag, the same config is fine
+
+
+def test_grouped_experts_without_moe_blocks_is_refused_at_setup():
+    from test_validation import DenseModule, prepared
+
+    with pytest.raises(ZeroMoEConfigError, match=r"^\[autoep-no-moe-layers\] grouped_experts=True but no MoE block"
+                                                 r".*or use ep_size=1 and grouped_experts=False"):
+        prepared(DenseModule(), ep_size=1, grouped_experts=True)
+    strategy = prepared(TinyMoEModule(), ep_size=1, grouped_experts=True)
+    assert strategy.config["expert_parallel"]["autoep_size"] == 1 and strategy.resolved.grouped_experts

@@ -21,7 +21,7 @@ from jobs_util import JOBS, job_env, read_ranks, run, run_job
 from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, BATCH, LR, WARMUP, CLIP = 6, 4, 3e-3, 3, 0.05
-RUNS = ("s2_sched", "auto", "accum_clip", "bf16_true", "bf16_mixed", "s3_val", "native_s1", "native_s2")
+RUNS = ("s2_sched", "auto", "accum_clip", "bf16_true", "bf16_mixed", "s3_val", "native_s1", "native_s2", "grouped")
 #: fp32: measured max relative difference ~2e-7 (summation order in the experts); the repo's parity bound.
 RTOL = 2e-6
 #: bf16 against the fp32 reference over 6 steps: measured max relative difference 1.4e-4 for both
@@ -58,12 +58,14 @@ def dist_losses(ranks: list[dict]) -> list[float]:
 
 
 def reference(batches: list[list[int]], *, accumulate: int = 1, clip: float | None = None,
-              scheduler: bool = False) -> tuple[list[float], TinyMoELM]:
-    """Plain loop: seed 0, AdamW, per micro-step loss; accumulate, clip by global norm, step."""
+              scheduler: bool = False, samples: int | None = None) -> tuple[list[float], TinyMoELM]:
+    """Plain loop: seed 0, AdamW, per micro-step loss; accumulate, clip by global norm, step.
+
+    ``samples``: the job's dataset size (default: one epoch of ``batches``)."""
     torch.manual_seed(0)
     config = TinyMoEConfig()
     model = TinyMoELM(config)
-    data = SyntheticLMData(len(batches) * BATCH * 2, config.max_seq_len // 2 + 1, config.vocab_size, seed=0)
+    data = SyntheticLMData(samples or len(batches) * BATCH * 2, config.max_seq_len // 2 + 1, config.vocab_size, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / WARMUP)) if scheduler else None
     losses = []
@@ -204,3 +206,36 @@ def test_two_nodes_of_one_process_each_match_single_process(tmp_path):
     assert [r["world_size"] for r in ranks] == [2, 2]
     ref, _ = reference(micro_batches(ranks))
     assert max_rel(dist_losses(ranks), ref) < RTOL
+
+
+def test_grouped_experts_without_ep_match_single_process_and_save_export_resume(paths, tmp_path):
+    """ZeroMoEStrategy(ep_size=1, grouped_experts=True) on 2 ranks: every block is AutoEP's layer with
+    ep_size 1 holding all 4 experts (ZeRO-3 still shards them over both ranks), each step's loss is the
+    plain loop's; its checkpoint exports to the model's own names with the plain loop's weights, and a
+    fresh Trainer with other initial weights resumes from it onto the same trajectory."""
+    from lightning_zeromoe.checkpoint import export
+
+    ranks = paths["grouped"]
+    for r in ranks:
+        assert r["expert_parallel"] and r["stage"] == 3
+        assert r["autoep_layers"] == {f"model.layers.{i}.mlp": {"ep_size": 1, "local_experts": 4} for i in (0, 1)}
+        assert r["resumed_layers"] == r["autoep_layers"]
+        for name, (local, shape) in r["held"].items():
+            assert shape[0] == 4 and local < torch.Size(shape).numel(), (name, local, shape)
+    samples = BATCH * 2 * STEPS
+    ref, trained = reference(micro_batches(ranks), samples=samples)
+    assert max_rel(dist_losses(ranks), ref) < RTOL
+    # Export: AutoEP's names mapped back to the model's own, the plain loop's weights after STEPS steps.
+    from safetensors.torch import load_file
+
+    exported = load_file(str(export(ranks[0]["ckpt"], tmp_path / "grouped.safetensors", progress=False)))
+    want = trained.state_dict()
+    assert set(exported) == set(want), set(exported) ^ set(want)
+    worst = max(float((exported[k].float() - want[k]).abs().max()) for k in want)
+    assert worst < 1e-5, worst
+    # Resume: the first STEPS batches, then the resumed run's two, are one plain trajectory.
+    resumed = [{"steps": r["resumed_steps"]} for r in ranks]
+    assert [s["step"] for s in resumed[0]["steps"]] == [STEPS + 1, STEPS + 2]
+    batches = micro_batches(ranks) + micro_batches(resumed)
+    ref_all, _ = reference(batches, samples=samples)
+    assert max_rel(dist_losses(ranks) + dist_losses(resumed), ref_all) < RTOL

@@ -14,6 +14,7 @@ DeepSpeed is imported inside each function: ``troubleshooter``'s start path must
 
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -38,7 +39,60 @@ def missing() -> list[str]:
     if "self._config.load_universal_checkpoint" not in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint):
         gone.append("DeepSpeedEngine._config.load_universal_checkpoint")
     gone += [f"runtime.config.{name}" for name in NAMES[-2:] if not isinstance(getattr(ds_config, name, None), dict)]
-    return gone
+    return gone + autoep_api_changes()
+
+
+#: What the conversion probe calls of AutoEP (``module_inject/auto_ep*.py``, 0.19.8): a class or
+#: function, and the parameters it must accept.
+AUTOEP_API = (("deepspeed.module_inject.auto_ep", "AutoEP", ("model", "config")),
+              ("deepspeed.module_inject.auto_ep", "AutoEP.ep_parser", ()),
+              ("deepspeed.module_inject.auto_ep_config", "parse_autoep_config", ()),
+              ("deepspeed.module_inject.auto_ep_layer", "AutoEPMoELayer",
+               ("spec", "source_module", "ep_size", "ep_rank", "config")))
+
+
+@functools.lru_cache(maxsize=None)
+def _api_changes(api: tuple) -> tuple[str, ...]:
+    return tuple(_changes(api))
+
+
+def autoep_api_changes() -> list[str]:
+    """What of :data:`AUTOEP_API` the installed DeepSpeed lacks or calls differently (empty: all there)."""
+    return list(_api_changes(AUTOEP_API))
+
+
+def _changes(api: tuple) -> list[str]:
+    import importlib
+
+    changes = []
+    for module_name, qualname, params in api:
+        try:
+            target: Any = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                target = getattr(target, part)
+        except (ImportError, AttributeError):
+            changes.append(f"{module_name}.{qualname} is gone")
+            continue
+        try:
+            accepted = inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            continue
+        lost = [p for p in params if p not in accepted]
+        if lost:
+            changes.append(f"{module_name}.{qualname} no longer takes {', '.join(lost)}")
+    return changes
+
+
+def check_autoep_api() -> None:
+    """Raise, naming the DeepSpeed version, when AutoEP's API is not the one the probe calls: an
+    upgrade must fail loudly, not read as "AutoEP refused every block" and train without EP."""
+    changes = autoep_api_changes()
+    if changes:
+        import deepspeed
+
+        raise RuntimeError(f"[stack-versions] deepspeed {deepspeed.__version__}: AutoEP's API changed "
+                           f"({'; '.join(changes)}); lightning_zeromoe is tested with deepspeed 0.19.8. Install "
+                           "deepspeed==0.19.8, or ep_size=1 to train without AutoEP.")
 
 
 def external_params(module: Any) -> dict[Any, Any]:

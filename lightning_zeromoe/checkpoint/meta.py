@@ -24,8 +24,10 @@ READABLE_VERSIONS = (1, 2)
 #: How a fused gate/up expert tensor is laid out in the user's model (DeepSpeed's names,
 #: ``deepspeed/moe/fused_expert_layout.py``): ``gate_up_first`` = ``[E, 2*ffn, hidden]`` with
 #: ``down [E, hidden, ffn]``; ``hidden_first`` = ``[E, hidden, 2*ffn]`` with ``down [E, ffn, hidden]``;
-#: ``separate``: ``gate``/``up`` as two ``[E, ffn, hidden]`` tensors.
-LAYOUTS = ("gate_up_first", "hidden_first", "separate")
+#: ``separate``: ``gate``/``up`` as two ``[E, ffn, hidden]`` tensors; ``per_expert``: one module per expert
+#: (``targets`` are templates in ``{i}``, e.g. ``layers.0.moe.experts.{i}.gate_proj.weight``; ``gate``/``up``/
+#: ``down``, or ``gate_up``/``down`` for a Linear packing gate and up).
+LAYOUTS = ("gate_up_first", "hidden_first", "separate", "per_expert")
 
 
 @dataclass

@@ -83,6 +83,8 @@ def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
 
     t = block.targets
     w1, w2, w3 = sources["w1"], sources["w2"], sources["w3"]
+    if block.layout == "per_expert":
+        return per_expert_outputs(block, sources)
     if block.layout == "separate":
         return {t["gate"]: _read(w1), t["up"]: _read(w3), t["down"]: _read(w2)}
 
@@ -107,6 +109,24 @@ def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
 
     down = _read(w2) if block.layout == "gate_up_first" else (lambda r: r.read(w2).transpose(1, 2))
     return {t["gate_up"]: fused, t["down"]: down}
+
+
+def per_expert_outputs(block: ExpertBlock, sources: dict[str, Source]) -> dict[str, Callable[[Reader], Any]]:
+    """Each expert's own Linear weights (``experts.{i}.gate_proj.weight`` ...) from AutoEP's ``[E, ...]``
+    tensors, one expert at a time; a Linear packing gate and up gets ``cat([gate_i, up_i])``."""
+    import torch
+
+    t = block.targets
+    one = lambda src, i: (lambda reader: reader.read_expert(src, i))  # noqa: E731
+    out: dict[str, Callable[[Reader], Any]] = {}
+    for part, source in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+        if part in t:
+            out.update({t[part].format(i=i): one(sources[source], i) for i in range(block.num_experts)})
+    if "gate_up" in t:
+        for i in range(block.num_experts):
+            out[t["gate_up"].format(i=i)] = (lambda reader, i=i: torch.cat(
+                [reader.read_expert(sources["w1"], i), reader.read_expert(sources["w3"], i)], dim=0))
+    return out
 
 
 def _read(source: Source) -> Callable[[Reader], Any]:

@@ -3,7 +3,8 @@
 For every tensor DeepSpeed stores, :func:`build_meta` records the name the *user's* model gives
 it (AutoEP router ``<block>.router.gate.weight`` -> ``<block>.gate.weight``; AutoEP experts
 ``w1``/``w3``/``w2`` -> the fused ``gate_up_proj``/``down_proj`` or separate tensors they were
-repacked from), the fused layout those came in, the LightningModule prefix to strip, tied
+repacked from, or each expert's own Linear weights ``experts.{i}.gate_proj.weight`` for a block
+whose experts are a module list), the fused layout those came in, the LightningModule prefix to strip, tied
 groups, persistent buffers, frozen parameters, PEFT LoRA adapters, the training dtype and the
 model's config. The block's own names and fused layout come from discovery when the strategy
 passes its ``BlockLayout``s (``blocks``); otherwise the names come from the AutoEP section and
@@ -20,6 +21,9 @@ from typing import Any, Iterable, Mapping
 
 from lightning_zeromoe.autoep_names import BlockNames, block_names, names_for, own_name
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
+from lightning_zeromoe._private import deepspeed as ds_private
+from lightning_zeromoe._private import torch as torch_private
+from lightning_zeromoe._private import transformers as hf_private
 
 __all__ = ["META_FILE", "build_meta", "write_meta", "expert_layout"]
 
@@ -39,7 +43,7 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
     lora = _lora_adapters(root)
     if lora:  # export the base model inside PeftModel; adapters are written apart
         prefix, root = prefix + lora[0].peft_prefix, root.base_model.model
-    layers = {name: m for name, m in module.named_modules() if getattr(type(m), "_is_autoep_layer", False)}
+    layers = {name: m for name, m in module.named_modules() if ds_private.is_autoep_layer(m)}
     section = block_names(ep_section) if layers else BlockNames()
     names = {path: names_for(path, section, blocks) for path in layers}
     reference = _reference_shapes(root)
@@ -184,13 +188,18 @@ def _reference_shapes(root: Any) -> dict[str, list[int]] | None:
 
 def _expert_block(path: str, layer: Any, src: BlockNames, own: Any, reference: dict[str, list[int]] | None,
                   given: str | None) -> ExpertBlock | str:
-    if src.storage != "fused_3d":
-        return (f"{path}: experts stored as {src.storage!r} (one module per expert); export supports "
-                "fused 3-D expert tensors (transformers >= 5 layout)")
     exp = f"{path}.{src.experts}"
     sources = {w: f"{path}.experts.{w}" for w in ("w1", "w2", "w3")}
     common = dict(module_path=path, num_experts=int(layer.num_experts), num_local_experts=int(layer.num_local_experts),
                   ep_size=int(layer.ep_size), sources=sources)
+    if src.storage == "module_list":  # one module per expert: experts.{i}.gate_proj.weight (templates in {i})
+        per = {"down": f"{exp}.{{i}}.{src.w2}.weight"}
+        per.update({"gate": f"{exp}.{{i}}.{src.w1}.weight", "up": f"{exp}.{{i}}.{src.w3}.weight"} if src.w3 is not None
+                   else {"gate_up": f"{exp}.{{i}}.{src.w1}.weight"})
+        return ExpertBlock(**common, layout="per_expert", layout_source="model", targets=per)
+    if src.storage != "fused_3d":
+        return (f"{path}: experts stored as {src.storage!r}; export supports fused 3-D expert tensors and "
+                "per-expert module lists")
     if src.w3 is not None:
         return ExpertBlock(**common, layout="separate", layout_source="pattern",
                            targets={"gate": f"{exp}.{src.w1}", "up": f"{exp}.{src.w3}", "down": f"{exp}.{src.w2}"})
@@ -215,6 +224,9 @@ def _target_shapes(block: ExpertBlock, layer: Any) -> dict[str, list[int]]:
         return {t["gate_up"]: [e, 2 * ffn, hidden], t["down"]: [e, hidden, ffn]}
     if block.layout == "hidden_first":
         return {t["gate_up"]: [e, hidden, 2 * ffn], t["down"]: [e, ffn, hidden]}
+    if block.layout == "per_expert":
+        per = {"gate": [ffn, hidden], "up": [ffn, hidden], "gate_up": [2 * ffn, hidden], "down": [hidden, ffn]}
+        return {template.format(i=i): per[part] for part, template in t.items() for i in range(e)}
     return {t["gate"]: [e, ffn, hidden], t["up"]: [e, ffn, hidden], t["down"]: [e, hidden, ffn]}
 
 
@@ -225,7 +237,7 @@ def _own_targets(block: ExpertBlock, own: Any) -> ExpertBlock:
 def _persistent_buffers(module: Any) -> Iterable[tuple[str, Any]]:
     for mod_name, mod in module.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and name not in mod._non_persistent_buffers_set:
+            if buf is not None and name not in torch_private.non_persistent_buffers(mod):
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
 
 
@@ -239,7 +251,7 @@ def _model_info(root: Any) -> ModelInfo:
             if not data.get("architectures"):
                 data["architectures"] = [cls.__name__]
             info.config, info.config_kind = data, "transformers"
-            info.name_or_path = getattr(config, "_name_or_path", None) or None
+            info.name_or_path = hf_private.name_or_path(config) or None
             generation = getattr(root, "generation_config", None)
             if generation is not None and hasattr(generation, "to_diff_dict"):
                 info.generation_config = json.loads(json.dumps(generation.to_diff_dict(), default=str))

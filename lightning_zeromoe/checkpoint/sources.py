@@ -75,6 +75,8 @@ class ExpertSource:
 
 
 Source = Union[FlatSource, FragmentSource, ModuleSource, ExpertFileSource, ExpertSource]
+#: Expert-weight rank pieces :meth:`Reader.read_expert` keeps (one each of w1, w2, w3).
+KEPT_PIECES = 3
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Reader:
     def __init__(self, *, trust_checkpoint: bool = False) -> None:
         self.trust_checkpoint = trust_checkpoint
         self._open: dict[Path, dict[str, Any]] = {}
+        #: Rank pieces of expert weights read for :meth:`read_expert`: (name, ids) -> tensor, newest last.
+        self._pieces: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     def file(self, path: Path) -> dict[str, Any]:
         if path not in self._open:
@@ -101,6 +105,7 @@ class Reader:
         import gc
 
         self._open.clear()
+        self._pieces.clear()
         gc.collect()
 
     def read(self, source: Source) -> Any:
@@ -116,6 +121,27 @@ class Reader:
         if isinstance(source, ExpertFileSource):
             return self.file(source.file)[source.key].unsqueeze(0)
         return self.fill(source, None)
+
+    def read_expert(self, source: Source, index: int) -> Any:
+        """Expert ``index``'s slice of an ``[E, ...]`` expert weight (for models that keep one module per
+        expert). The rank piece holding it is read once and kept, the last :data:`KEPT_PIECES` of them
+        (w1/w2/w3 of one rank), so exporting experts one by one reads each piece once."""
+        if not isinstance(source, ExpertSource):
+            return self.read(source)[index]
+        for ids, sub in source.parts:
+            if index in ids:
+                key = (source.name, tuple(ids))
+                if key not in self._pieces:
+                    while len(self._pieces) >= KEPT_PIECES:
+                        self._pieces.pop(next(iter(self._pieces)))
+                    self._pieces[key] = self.read(sub)
+                piece = self._pieces[key]
+                if piece.shape[0] != len(ids):
+                    raise ExportError(SHARDS_MISMATCH, f"{source.name}: a rank holds {piece.shape[0]} experts but "
+                                      f"its placement lists {list(ids)}. Copy every rank's files from one save.")
+                return piece[list(ids).index(index)].clone()
+        raise ExportError(SHARDS_MISMATCH, f"{source.name}: no rank's shard holds expert {index} of "
+                          f"{source.num_experts}. Copy every rank's files from one save.")
 
     def fill(self, source: "ExpertSource", out: Any) -> Any:
         """Write an expert weight into ``out`` (``[E, ...]``, may be a strided view of a larger

@@ -21,6 +21,8 @@ Runs (name: what it does):
   s3_val       stage=3, ep_size=2: fit, save; validate, test, predict after fit; fresh Trainer validate(ckpt_path=...)
   native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layer), stage=1
   native_s2    the same at stage=2
+  grouped      stage=3, ep_size=1, grouped_experts=True (AutoEP's layer, autoep_size=1): fit, save; a fresh
+               Trainer with other initial weights resumes from the checkpoint for 2 more steps
   nodes        stage=3, ep_size=2 (for the two-"node" launch)
 """
 
@@ -30,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -104,12 +107,23 @@ class Recorder(L.Callback):
             "groups": [{"moe": bool(g.get("moe")), "name": g.get("name"), "n": len(g["params"])}
                        for g in inner.param_groups],
             "expert_parallel": trainer.strategy.config.get("expert_parallel", {}).get("enabled", False),
+            "autoep_layers": autoep_layers(engine.module),
+            "held": {n: [getattr(p, "ds_tensor", p).numel(), list(getattr(p, "ds_shape", p.shape))]
+                     for n, p in engine.module.named_parameters() if ".experts." in n},
         }
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         indices = batch["index"].tolist() if isinstance(batch, dict) else batch[1].tolist()
         self.steps.append({"step": trainer.global_step, "indices": indices, "loss": module.last_losses["loss"],
                            "lr": trainer.optimizers[0].param_groups[0]["lr"]})
+
+
+def autoep_layers(module: torch.nn.Module) -> dict[str, dict]:
+    """Every AutoEP layer in the engine's module: its ep_size and how many experts it holds."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return {n: {"ep_size": int(m.ep_size), "local_experts": int(m.num_local_experts)}
+            for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)}
 
 
 def trainer_for(args: argparse.Namespace, strategy: ZeroMoEStrategy, steps: int, **kwargs) -> L.Trainer:
@@ -138,6 +152,8 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
             strategy_kwargs["stage"] = 2
         if name == "auto":
             strategy_kwargs["stage"] = "auto"
+        if name == "grouped":
+            strategy_kwargs.update(ep_size=1, grouped_experts=True)
         module = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * epoch_steps, lr=LR,
                             scheduler=name == "s2_sched")
     recorder = Recorder()
@@ -166,6 +182,17 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
                                     _name=name)
         fresh_trainer.validate(fresh, ckpt_path=ckpt, verbose=False)
         result["val_from_ckpt"] = list(fresh.val_losses)
+    if name == "grouped":  # save, then resume into a fresh Trainer and module with other initial weights
+        ckpt = args.out / name / "ckpt"
+        trainer.save_checkpoint(ckpt)
+        result["ckpt"] = str(ckpt)
+        L.seed_everything(1, verbose=False)
+        fresh = PathModule(TinyMoEConfig(), batch_size=BATCH, num_samples=BATCH * world * epoch_steps, lr=LR)
+        resumed = Recorder()
+        trainer_for(args, ZeroMoEStrategy(**strategy_kwargs), steps + 2, callbacks=[resumed],
+                    _name=name).fit(fresh, ckpt_path=ckpt)
+        result["resumed_steps"] = resumed.steps
+        result["resumed_layers"] = resumed.facts["autoep_layers"]
     return result
 
 
@@ -179,10 +206,11 @@ def main() -> None:
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", args.devices * args.num_nodes))
     for name in args.runs.split(","):
+        start = time.perf_counter()
         result = one_run(name, args, world)
         (args.out / name).mkdir(parents=True, exist_ok=True)
         (args.out / name / f"rank{result['rank']}.json").write_text(json.dumps(result))
-        print(f"run {name}: done on rank {result['rank']}", flush=True)
+        print(f"run {name}: done on rank {result['rank']} in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
