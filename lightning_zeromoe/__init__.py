@@ -23,6 +23,8 @@ _LAZY = {
     "TinyMoEModule": "lightning_zeromoe.models",
     "plan": "lightning_zeromoe.planner",
     "ExpertUtilizationMonitor": "lightning_zeromoe.monitor",
+    "ExpertBiasBalancer": "lightning_zeromoe.balancing",
+    "router_z_loss": "lightning_zeromoe.balance_rules",
 }
 
 __all__ = sorted(_LAZY)

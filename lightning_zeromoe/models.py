@@ -10,9 +10,16 @@ layer computes *the same function* as our own MoE block:
 * routing is softmax in fp32, top-k, renormalised over the chosen k, applied after the experts;
 * each expert is a SwiGLU MLP: ``down(silu(gate) * up)``.
 
-The load-balancing aux loss is computed per *sequence* and averaged, like the task loss. A
-global batch split over data-parallel ranks therefore gives exactly the mean of the ranks'
-losses, which is what makes the single-process parity test exact.
+The load-balancing aux loss (and the optional router z-loss) is computed per *sequence* and
+averaged, like the task loss. A global batch split over data-parallel ranks therefore gives exactly
+the mean of the ranks' losses, which is what makes the single-process parity test exact.
+
+Options for the load-balancing remedies (off by default, so the model is unchanged unless asked):
+``score_bias=True`` gives each router a choice-only ``gate.e_score_correction_bias`` (DeepSeek-V3's
+name and place: added to the softmax scores for the top-k choice only, the weights come from the
+unbiased scores, as AutoEP's router does), which
+:class:`lightning_zeromoe.balancing.ExpertBiasBalancer` adjusts; ``z_loss_weight`` adds the router
+z-loss (:func:`lightning_zeromoe.balance_rules.router_z_loss`) to the module's loss.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from lightning_zeromoe.balance_rules import router_z_loss
+
 
 @dataclass
 class TinyMoEConfig:
@@ -34,7 +43,8 @@ class TinyMoEConfig:
 
     ``aux_loss_weight`` multiplies the load-balancing loss in ``TinyMoEModule``; 0.01 is the
     usual value (Switch Transformer, Mixtral). ``router_init_std`` and ``router_bias_expert``
-    exist so the troubleshooter can provoke router collapse on purpose.
+    exist so the troubleshooter can provoke router collapse on purpose. ``score_bias`` and
+    ``z_loss_weight``: see the module docstring.
     """
 
     vocab_size: int = 128
@@ -51,6 +61,10 @@ class TinyMoEConfig:
     #: When set, that expert's gate row is initialised large so the router prefers it.
     router_bias_expert: int | None = None
     init_std: float = 0.02
+    #: Give each router a choice-only ``e_score_correction_bias`` (zeros; see the module docstring).
+    score_bias: bool = False
+    #: Weight of the router z-loss in ``TinyMoEModule``'s loss (0: not computed into the loss).
+    z_loss_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -103,6 +117,10 @@ class MoEBlock(nn.Module):
         self.top_k = config.top_k
         self.num_experts = config.num_experts
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        if config.score_bias:
+            # Where DeepSeek-V3 keeps it (``gate.e_score_correction_bias``): AutoEP copies it from there
+            # into its router, and export names it so again. Model state: a persistent buffer.
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
         self.experts = Experts(config.num_experts, config.hidden_size, config.ffn_hidden_size)
         # Same name and meaning as AutoEP's counter, so the monitor reads either.
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
@@ -111,7 +129,12 @@ class MoEBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         scores = torch.softmax(self.gate(x).float(), dim=-1)
-        top_scores, chosen = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        if bias is None:
+            top_scores, chosen = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        else:  # the bias picks the experts; the weights are the unbiased scores
+            chosen = torch.topk(scores + bias.float(), k=self.top_k, dim=-1, sorted=False).indices
+            top_scores = scores.gather(1, chosen)
         top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
         with torch.no_grad():
             self.tokens_per_expert += torch.bincount(chosen.flatten(), minlength=self.num_experts).float()
@@ -246,13 +269,19 @@ def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, batch_siz
     return torch.stack(losses).mean(dim=0)  # [B]
 
 
-def lm_losses(model: TinyMoELM, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence next-token cross-entropy and aux loss, both shaped ``[batch]``."""
+def lm_loss_terms(model: TinyMoELM, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence next-token cross-entropy, aux loss and router z-loss, each shaped ``[batch]``."""
     logits, router_logits = model(input_ids[:, :-1])
     targets = input_ids[:, 1:]
     task = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
     task = task.view(targets.shape).mean(dim=1)
     aux = load_balancing_loss(router_logits, model.config.top_k, input_ids.shape[0])
+    return task, aux, router_z_loss(router_logits, input_ids.shape[0])
+
+
+def lm_losses(model: TinyMoELM, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence next-token cross-entropy and aux loss, both shaped ``[batch]``."""
+    task, aux, _ = lm_loss_terms(model, input_ids)
     return task, aux
 
 
@@ -300,10 +329,12 @@ def _build_module_class() -> type:
     base = _lightning_module_base()
 
     class TinyMoEModule(base):  # type: ignore[misc, valid-type]
-        """LightningModule around :class:`TinyMoELM`: loss = task + ``aux_loss_weight`` * aux.
+        """LightningModule around :class:`TinyMoELM`: loss = task + ``aux_loss_weight`` * aux
+        (+ ``z_loss_weight`` * router z-loss when that weight is set).
 
-        Logs ``train/loss``, ``train/task_loss`` and ``train/aux_loss`` separately: an aux loss
-        that stays flat while the task loss moves is a routing signal of its own.
+        Logs ``train/loss``, ``train/task_loss`` and ``train/aux_loss`` separately (and
+        ``train/z_loss`` with a z-loss weight): an aux loss that stays flat while the task loss
+        moves is a routing signal of its own.
         """
 
         def __init__(self, config: TinyMoEConfig | None = None, lr: float = 3e-3, batch_size: int = 8,
@@ -332,15 +363,20 @@ def _build_module_class() -> type:
             return self.model(input_ids)[0]
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            task, aux = lm_losses(self.model, batch["input_ids"])
+            config = self.model.config
+            task, aux, z = lm_loss_terms(self.model, batch["input_ids"])
             task, aux = task.mean(), aux.mean()
-            loss = task + self.model.config.aux_loss_weight * aux
+            loss = task + config.aux_loss_weight * aux
             # Detached tensors, no .item(): Lightning logs tensors as they are, without a host sync.
-            self._last_losses = {"loss": loss.detach(), "task_loss": task.detach(), "aux_loss": aux.detach()}
+            self._last_losses = {"task_loss": task.detach(), "aux_loss": aux.detach()}
+            if config.z_loss_weight:
+                z = z.mean()
+                loss = loss + config.z_loss_weight * z
+                self._last_losses["z_loss"] = z.detach()
+            self._last_losses["loss"] = loss.detach()
             # One log call per metric costs ~2 ms of Lightning bookkeeping per step on CPU: log each once.
             self.log("train/loss", self._last_losses["loss"], prog_bar=True)
-            self.log_dict({"train/task_loss": self._last_losses["task_loss"],
-                           "train/aux_loss": self._last_losses["aux_loss"]})
+            self.log_dict({f"train/{k}": v for k, v in self._last_losses.items() if k != "loss"})
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -19,6 +19,17 @@ model (top-2 of 4) is already 50%. So the collapse test cannot be "share > 0.5" 
 the *collapse score*: how far the busiest expert has moved from uniform towards receiving every
 token, ``(max_share - k/E) / (1 - k/E)``. For top-1 routing over many experts the score is the
 busiest expert's share, i.e. the seeds' "one expert takes more than 50% of the tokens".
+
+Remedies. An alarm names the remedies that apply to *this* model by their knowledge-base fix ids
+(entry ``router-collapse``, ``troubleshooter/knowledge/entries/router-collapse.toml``) followed by
+the knowledge base's own text: ``add-aux-loss``, ``bias-balancing`` (only when the model routes
+with a choice-only bias and no :class:`~lightning_zeromoe.balancing.ExpertBiasBalancer` runs
+already), ``router-z-loss``, ``larger-batch``, ``bf16-and-warmup``, ``check-router-init``. The
+advice itself lives only in the knowledge base.
+
+The load picture. With ``heatmap=True`` each window's per-layer x per-expert load is also drawn
+as a heatmap and logged as an image (:mod:`lightning_zeromoe.load_heatmap`: TensorBoard, loggers
+with ``log_image``; a PNG next to the logs for CSV and other loggers, said once).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from lightning_zeromoe.telemetry import expert_counters, global_counts
 
@@ -41,19 +53,33 @@ class ExpertCollapseWarning(UserWarning):
     """Routing collapse or a dead expert, found by :class:`ExpertUtilizationMonitor`."""
 
 
-#: What the seeds and the field notes say causes collapse, and what to change.
-FIXES = (
-    "Likely causes and fixes: "
-    "(1) no or too weak load-balancing loss: add the aux loss with a weight around 0.01 (too large "
-    "flattens routing, too small does nothing) and check it is in the loss you backpropagate; "
-    "(2) router initialisation: an extreme or badly scaled gate init locks routing in at step 0; "
-    "initialise the router with a small std (~0.02) and no per-expert offset; "
-    "(3) router noise: noisy gating ('Jitter') keeps early routing exploratory, but DeepSpeed's "
-    "AutoEP implements no router jitter or z-loss (and refuses load_balance_coeff), so add noise "
-    "to the router logits in your model if you want it; "
-    "(4) batch size: small micro-batches make routing statistics and the aux loss noisy; raise the "
-    "global batch with gradient accumulation; also consider a longer LR warm-up (2-3%)."
-)
+#: The knowledge-base entry whose fixes an alarm cites, and those fixes in the order it names them.
+ENTRY = "router-collapse"
+REMEDIES = ("add-aux-loss", "bias-balancing", "router-z-loss", "larger-batch", "bf16-and-warmup", "check-router-init")
+
+
+def applicable_remedies(trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The fix ids of :data:`REMEDIES` that apply to this model, and those that do not with why."""
+    from lightning_zeromoe.balancing import ExpertBiasBalancer, find_score_biases
+
+    skipped: dict[str, str] = {}
+    if any(isinstance(c, ExpertBiasBalancer) for c in trainer.callbacks):
+        skipped["bias-balancing"] = "ExpertBiasBalancer already runs"
+    elif not find_score_biases(pl_module)[0]:
+        skipped["bias-balancing"] = "the model has no choice-only routing bias"
+    return tuple(f for f in REMEDIES if f not in skipped), skipped
+
+
+def remedies_text(fix_ids: tuple[str, ...], skipped: dict[str, str]) -> str:
+    """``Remedies for this model (knowledge base entry router-collapse): [add-aux-loss] <its text> ...``."""
+    from troubleshooter import knowledge
+
+    entry = knowledge.get(ENTRY)
+    cited = " ".join(f"[{f}] {entry.get_fix(f).render()}" for f in fix_ids)
+    text = f"Remedies for this model (knowledge base entry {ENTRY}, by fix id): {cited}"
+    if skipped:
+        text += " Not applicable: " + "; ".join(f"[{f}] {why}" for f, why in skipped.items()) + "."
+    return text
 
 
 @dataclass(frozen=True)
@@ -72,10 +98,13 @@ class LayerStats:
 
 @dataclass(frozen=True)
 class Alarm:
+    """One alarm: where, what, the message, and the knowledge-base fix ids it names."""
+
     step: int
     layer: str
     kind: str  # "collapse" | "dead"
     message: str
+    fix_ids: tuple[str, ...] = ()
 
 
 def layer_stats(layer: str, counts: torch.Tensor, top_k: int) -> LayerStats | None:
@@ -114,6 +143,8 @@ class ExpertUtilizationMonitor(L.Callback):
             window is logged as ``<prefix>/aux_loss`` and ``<prefix>/task_loss``.
         top_k: Experts per token; read from the MoE layers or the model's config when None.
         prefix: Metric name prefix.
+        heatmap: Also log each window's per-layer x per-expert load as an image
+            (:mod:`lightning_zeromoe.load_heatmap`); needs matplotlib.
 
     Every rank must run the callback (the counters are summed with an all-reduce); only rank 0 logs
     and warns. All ranks take the same stop decision, since they see the same global counts.
@@ -122,7 +153,7 @@ class ExpertUtilizationMonitor(L.Callback):
     def __init__(self, every_n_steps: int = 50, *, collapse_share: float = 0.5, patience: int = 2,
                  dead_steps: int = 200, stop_on_collapse: bool = False, aux_loss_key: str | None = "train/aux_loss",
                  task_loss_key: str | None = "train/task_loss", top_k: int | None = None,
-                 prefix: str = "experts") -> None:
+                 prefix: str = "experts", heatmap: bool = False) -> None:
         if every_n_steps < 1 or patience < 1 or dead_steps < 1:
             raise ValueError("every_n_steps, patience and dead_steps must be >= 1")
         if not 0 < collapse_share < 1:
@@ -136,7 +167,16 @@ class ExpertUtilizationMonitor(L.Callback):
         self.task_loss_key = task_loss_key
         self.top_k = top_k
         self.prefix = prefix
+        self.heatmap = heatmap
+        if heatmap:
+            from lightning_zeromoe.load_heatmap import require_matplotlib
+
+            require_matplotlib()
         self.alarms: list[Alarm] = []
+        self.remedies: tuple[str, ...] = REMEDIES
+        self._skipped: dict[str, str] = {}
+        #: Where heatmaps went that a logger could not take as images (said once each, on rank 0).
+        self.heatmap_notes: list[str] = []
         self.history: list[tuple[int, dict[str, LayerStats]]] = []
         self._warned: set[tuple[str, str]] = set()
         self._streak: dict[str, int] = {}
@@ -147,7 +187,9 @@ class ExpertUtilizationMonitor(L.Callback):
 
     # ------------------------------------------------------------------ hooks
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.remedies, self._skipped = applicable_remedies(trainer, pl_module)
         counters = expert_counters(pl_module)
         if not counters:
             self._warn_once("<model>", "none", "ExpertUtilizationMonitor found no MoE layer with a "
@@ -160,6 +202,7 @@ class ExpertUtilizationMonitor(L.Callback):
         if self.top_k is None:
             self.top_k = _find_top_k(pl_module)
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         for key in (self.aux_loss_key, self.task_loss_key):
@@ -177,9 +220,11 @@ class ExpertUtilizationMonitor(L.Callback):
         self._window(trainer, pl_module, step)
 
     # Validation forwards also count tokens; keep them out of the training windows.
+    @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._saved = {name: c.clone() for name, c in expert_counters(pl_module).items()}
 
+    @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for name, counter in expert_counters(pl_module).items():
             if name in self._saved:
@@ -218,10 +263,29 @@ class ExpertUtilizationMonitor(L.Callback):
         if trainer.is_global_zero and metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+        if self.heatmap and trainer.is_global_zero and stats and trainer.loggers:
+            self._log_heatmap(trainer, stats, step, top_k)
         if self.stop_on_collapse and self.alarms and not trainer.should_stop:
             trainer.should_stop = True
             if trainer.is_global_zero:
                 log.warning("ExpertUtilizationMonitor: stopping training (stop_on_collapse=True).")
+
+    def _log_heatmap(self, trainer: L.Trainer, stats: dict[str, LayerStats], step: int, top_k: int) -> None:
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from lightning_zeromoe.load_heatmap import load_heatmap, log_heatmap
+
+        fig = load_heatmap(stats, top_k, step, self.every_n_steps)
+        for note in log_heatmap(trainer, fig, step, f"{self.prefix}/load_heatmap"):
+            if note not in self.heatmap_notes:
+                self.heatmap_notes.append(note)
+                rank_zero_info(f"ExpertUtilizationMonitor: {note}")
+
+    def history_figure(self) -> Any:
+        """The load over every window so far, one panel per layer (:func:`load_heatmap.history_figure`)."""
+        from lightning_zeromoe.load_heatmap import history_figure
+
+        return history_figure(self.history, self.top_k or 1)
 
     def _check(self, trainer: L.Trainer, step: int, s: LayerStats, top_k: int) -> None:
         collapsed = s.collapse_score > self.collapse_share
@@ -234,7 +298,7 @@ class ExpertUtilizationMonitor(L.Callback):
                          f"{len(s.shares)} experts gives {top_k / len(s.shares):.0%}; collapse score "
                          f"{s.collapse_score:.2f} > {self.collapse_share}) for {self._streak[s.layer]} "
                          f"windows of {self.every_n_steps} steps. Shares: "
-                         + ", ".join(f"{x:.2f}" for x in s.shares) + f". {FIXES}")
+                         + ", ".join(f"{x:.2f}" for x in s.shares) + ". " + remedies_text(self.remedies, self._skipped))
         alive = self._last_alive.setdefault(s.layer, [self._last_step] * len(s.counts))
         for e, count in enumerate(s.counts):
             if count > 0:
@@ -243,13 +307,13 @@ class ExpertUtilizationMonitor(L.Callback):
         if dead_for:
             self._alarm(trainer, step, s.layer, "dead",
                         f"Dead expert(s) {dead_for} in {s.layer}: no token for {self.dead_steps}+ steps "
-                        f"(step {step}). {FIXES} If routing is otherwise balanced, the model may have more "
-                        "experts than the data needs.")
+                        f"(step {step}); if routing is otherwise balanced, the model may have more experts than "
+                        "the data needs. " + remedies_text(self.remedies, self._skipped))
 
     def _alarm(self, trainer: L.Trainer, step: int, layer: str, kind: str, message: str) -> None:
         if (layer, kind) in self._warned:
             return
-        self.alarms.append(Alarm(step, layer, kind, message))
+        self.alarms.append(Alarm(step, layer, kind, message, self.remedies))
         self._warn_once(layer, kind, message, trainer)
 
     def _warn_once(self, layer: str, kind: str, message: str, trainer: L.Trainer) -> None:
@@ -260,11 +324,13 @@ class ExpertUtilizationMonitor(L.Callback):
             warnings.warn(message, ExpertCollapseWarning, stacklevel=2)
             log.warning(message)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"alarms": [a.__dict__ for a in self.alarms], "warned": sorted(self._warned)}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.alarms = [Alarm(**a) for a in state_dict.get("alarms", [])]
+        self.alarms = [Alarm(**{**a, "fix_ids": tuple(a.get("fix_ids", ()))}) for a in state_dict.get("alarms", [])]
         self._warned = {tuple(w) for w in state_dict.get("warned", [])}
 
 
@@ -283,4 +349,5 @@ def _find_top_k(module: torch.nn.Module) -> int | None:
     return None
 
 
-__all__ = ["ExpertUtilizationMonitor", "ExpertCollapseWarning", "LayerStats", "Alarm", "layer_stats", "FIXES"]
+__all__ = ["ENTRY", "REMEDIES", "Alarm", "ExpertCollapseWarning", "ExpertUtilizationMonitor", "LayerStats",
+           "applicable_remedies", "layer_stats", "remedies_text"]

@@ -311,6 +311,23 @@ def test_notebook_renders_plots_and_its_walkthrough(lab, name):
         # Try it shows each expert's load before and after (the per-expert bar chart)
         tried.locator("img.tsh-figure").wait_for()
         assert tried.locator("img.tsh-figure").evaluate("i => i.naturalWidth") > 400
+        # the load heatmaps: each window's PNG next to the CSV logs, and the windows over time
+        assert images.count() >= 4
+        # Next: aux-loss-free bias balancing; its Try it (clicked here) shows the bias balancer
+        # fixing the reproduction: collapsed before, under 50% after, the task loss beside it
+        walk.locator("button", has_text="Next").click()
+        expect(walk).to_contain_text("Step 3 of 6: Aux-loss-free bias balancing")
+        expect(walk).to_contain_text("ExpertBiasBalancer(update_rate=1e-3)")
+        walk.locator("button", has_text="Try it").click()
+        expect(tried).to_contain_text("bias balancing (rate 0.005)")
+        tried.locator("img.tsh-figure").wait_for()
+        assert tried.locator("img.tsh-figure").evaluate("i => i.naturalWidth") > 600  # bars, busiest, task loss
+        row = tried.locator("tr", has_text="max share of one expert (last step)").locator("td").all_inner_texts()
+        assert float(row[1]) > 0.5 > float(row[2]), row
+        half = tried.locator("tr", has_text="max share of one expert (last 20 steps)").locator("td").all_inner_texts()
+        assert float(half[2]) < 0.5, half
+        assert tried.locator("tr", has_text="task loss (last step)").count() == 1
+        lab.shot(walk, "walkthrough-bias-balancing.png")
     text = tried.inner_text()
     assert "- vs -" not in text and "OUT OF MEMORY" not in text
     lab.shot(lab.page.locator(".jp-NotebookPanel"), name.replace(".ipynb", ".png"))

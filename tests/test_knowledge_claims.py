@@ -574,6 +574,12 @@ CHECKED = {
     "export-disk-full": ["test_export_safety.py::test_full_disk_is_one_clear_error_and_leaves_everything_as_it_was"],
     "checkpoint-disk-full": [
         "test_checkpoint_faults.py::test_a_full_disk_on_one_rank_is_a_clear_error_and_the_earlier_checkpoint_survives"],
+    "bias-balancing-refused": [
+        "test_balancing.py::test_a_model_without_a_choice_only_bias_is_refused_with_the_reason",
+        "test_balancing.py::test_every_family_with_a_choice_only_bias_is_found_and_it_steers_only_the_choice"],
+    "bias-balancing-diverged": ["test_balancing.py::test_a_bias_changed_on_one_rank_stops_every_rank_with_the_entry_id"],
+    "moe-no-expert-parallel": ["test_expert_list_moe.py::test_no_expert_parallel_warning_is_one_rule_for_every_kind_of_model",
+                               "test_expert_list_moe.py::test_ep2_switch_falls_back_to_leaf_modules_with_the_one_warning"],
     "export-shard-corrupt": ["test_checkpoint.py::test_truncated_shard"],
     "export-shards-mismatch": ["test_checkpoint.py::test_missing_rank_shard"],
     "export-unsupported-model": ["test_export_units.py::test_lora_merge_and_adapter_names"],

@@ -3,12 +3,15 @@
 The main check is one 2-rank launch (ZeroMoEStrategy(ep_size=2): AutoEP's layers and counters,
 gloo all-reduce of the counts) that trains a collapsed and then a healthy tiny MoE in one process
 group, each with a real CSVLogger. A single-process Lightning run covers top-1 routing, dead
-experts without stopping, and a model that logs no aux loss.
+experts without stopping, and a model that logs no aux loss; another the load heatmaps, as images
+in TensorBoard's event file and as PNG files next to the CSV logs. The alarms name the remedies
+that apply to the model by knowledge-base fix id, with the knowledge base's own text.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import warnings
 from pathlib import Path
 
@@ -16,7 +19,8 @@ import pytest
 import torch
 
 from jobs_util import read_ranks, run_job
-from lightning_zeromoe.monitor import ExpertCollapseWarning, ExpertUtilizationMonitor, layer_stats
+from lightning_zeromoe.monitor import REMEDIES, ExpertCollapseWarning, ExpertUtilizationMonitor, layer_stats
+from troubleshooter import knowledge
 
 LAYERS = ("model.layers.0.mlp", "model.layers.1.mlp")
 EVERY, MAX_STEPS = 5, 30
@@ -66,8 +70,14 @@ def test_collapse_is_caught_logged_and_stops_training(job):
     assert rank0["alarms"] == rank1["alarms"], "ranks must agree (they see the same all-reduced counts)"
     assert len(rank0["warnings"]) == 4 and rank1["warnings"] == []
     collapse = next(w for w in rank0["warnings"] if w.startswith(f"Router collapse in {LAYERS[0]}"))
-    for hint in ("0.01", "router init", "Jitter", "AutoEP implements no router jitter", "batch"):
-        assert hint.lower() in collapse.lower(), hint
+    # The remedies that apply to this model, by knowledge-base fix id, each with the entry's own text;
+    # the tiny model has no choice-only bias, so bias balancing is named as not applicable, and why.
+    entry = knowledge.get("router-collapse")
+    applicable = [f for f in REMEDIES if f != "bias-balancing"]
+    for fix_id in applicable:
+        assert f"[{fix_id}] {entry.get_fix(fix_id).text}" in collapse, fix_id
+    assert "Not applicable: [bias-balancing] the model has no choice-only routing bias" in collapse
+    assert all(a["fix_ids"] == applicable for a in rank0["alarms"])
     # stop_on_collapse: every rank stopped at the alarm, long before max_steps.
     assert rank0["global_step"] == rank1["global_step"] == 2 * EVERY and rank0["should_stop"]
     # What the CSVLogger received: windows at steps 5 and 10, expert 0 sees every token.
@@ -134,7 +144,9 @@ def test_top1_dead_experts_warn_without_stopping_and_missing_aux_loss_is_named(t
             pass
 
     L.seed_everything(0, verbose=False)
-    module = TinyMoEModule(TinyMoEConfig(top_k=1, aux_loss_weight=0.0, num_layers=1), batch_size=4, num_samples=48)
+    # score_bias: the model routes with a choice-only bias, so the alarms name bias balancing too
+    module = TinyMoEModule(TinyMoEConfig(top_k=1, aux_loss_weight=0.0, num_layers=1, score_bias=True), batch_size=4,
+                           num_samples=48)
     provoke_collapse(module.model)
     monitor = ExpertUtilizationMonitor(every_n_steps=3, dead_steps=6, aux_loss_key="train/router_z_loss")
     logger = MemoryLogger()
@@ -150,9 +162,63 @@ def test_top1_dead_experts_warn_without_stopping_and_missing_aux_loss_is_named(t
     dead = next(a for a in monitor.alarms if a.kind == "dead")
     assert dead.step == 6 and "[1, 2, 3]" in dead.message
     assert any("No 'train/router_z_loss' metric is logged" in m for m in messages)
+    assert all(a.fix_ids == REMEDIES for a in monitor.alarms)
+    assert "[bias-balancing] " + knowledge.fix("router-collapse", "bias-balancing").text in dead.message
     assert len(messages) == 3, messages  # each condition once, although it persists for 4 windows
     windows = [(step, m) for step, m in logger.calls if "experts/model.layers.0.mlp/share_0" in m]
     assert [s for s, _ in windows] == [3, 6, 9, 12]
     for _, m in windows:
         assert m["experts/model.layers.0.mlp/share_0"] == 1.0 and m["experts/model.layers.0.mlp/dead"] == 3
         assert "experts/task_loss" in m and "experts/aux_loss" not in m
+
+
+def _tensorboard_images(folder: Path) -> list[tuple[int, str, int, int]]:
+    """(step, tag, width, height) of every image in a TensorBoard event file (TFRecord framing:
+    length, its CRC, the Event proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    [path] = folder.glob("events.out.tfevents.*")
+    data, i, found = path.read_bytes(), 0, []
+    while i < len(data):
+        (n,) = struct.unpack("<Q", data[i:i + 8])
+        event = event_pb2.Event()
+        event.ParseFromString(data[i + 12:i + 12 + n])
+        i += 12 + n + 4
+        found += [(event.step, v.tag, v.image.width, v.image.height) for v in event.summary.value if v.HasField("image")]
+    return found
+
+
+def test_load_heatmaps_go_to_tensorboard_as_images_and_next_to_the_csv_as_png(tmp_path, caplog):
+    """heatmap=True: every window's layer x expert load reaches TensorBoard as an image (read back
+    from its event file) and, since CSVLogger holds no images, a PNG per window next to
+    metrics.csv, which the monitor says once."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from PIL import Image
+
+    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+
+    L.seed_everything(0, verbose=False)
+    module = TinyMoEModule(TinyMoEConfig(), batch_size=4, num_samples=48)
+    monitor = ExpertUtilizationMonitor(every_n_steps=3, heatmap=True)
+    loggers = [TensorBoardLogger(str(tmp_path), name="tb", version=0), CSVLogger(str(tmp_path), name="csv", version=0)]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, logger=loggers, callbacks=[monitor],
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module)
+    images = _tensorboard_images(tmp_path / "tb" / "version_0")
+    assert [(step, tag) for step, tag, _, _ in images] == [(s, "experts/load_heatmap") for s in (3, 6, 9, 12)]
+    assert all(w > 200 and h > 100 for _, _, w, h in images)
+    pngs = sorted((tmp_path / "csv" / "version_0" / "expert_load").glob("*.png"))
+    assert [p.name for p in pngs] == [f"step_{s:06d}.png" for s in (3, 6, 9, 12)]
+    assert (tmp_path / "csv" / "version_0" / "metrics.csv").exists()
+    assert Image.open(pngs[-1]).size[0] > 200
+    folder = str(tmp_path / "csv" / "version_0" / "expert_load")
+    assert monitor.heatmap_notes == [f"CSVLogger takes no images: the expert-load heatmaps are PNG files in {folder}"]
+    said = [r.getMessage() for r in caplog.records if "takes no images" in r.getMessage()]
+    assert said == [f"ExpertUtilizationMonitor: {monitor.heatmap_notes[0]}"]  # once, not once per window
+    history = monitor.history_figure()
+    assert len(history.axes) == 3  # two layers and the colour bar

@@ -90,12 +90,16 @@ def test_router_collapses_without_the_fix_and_stays_balanced_with_it():
     assert result.collapsed and result.without_fix.worst > COLLAPSE
     assert result.collapse_step is not None and result.collapse_step < len(result.without_fix.shares)
     assert result.balanced and result.with_fix.worst < result.bound == 0.5
-    for run in (result.without_fix, result.with_fix):
-        assert len(run.shares) == len(run.task) == len(run.aux)
+    # bias balancing alone (no aux loss) undoes the collapse: below 50% over the whole second half
+    bias = result.bias_balanced
+    assert max(bias.max_share[len(bias.max_share) // 2:]) < COLLAPSE < result.without_fix.max_share[-1]
+    assert bias.bias and any(b != 0 for b in bias.bias) and result.z_loss.z[-1] > 0
+    for run in result.runs:
+        assert len(run.shares) == len(run.task) == len(run.aux) == len(run.z)
         assert all(sum(step) == pytest.approx(TOP_K) for step in run.shares)  # every token picks 2 experts
-    bars, lines = result.figure().axes
-    assert len(bars.patches) == 3 * len(result.with_fix.shares[-1])  # each expert's load, per run
-    assert len(lines.lines) >= 3
+    bars, lines, losses = result.figure().axes
+    assert len(bars.patches) == 5 * len(result.with_fix.shares[-1])  # each expert's load, per run
+    assert len(lines.lines) >= 5 and len(losses.lines) == 5  # the busiest expert, and the task loss beside it
 
 
 def test_router_runs_are_deterministic():

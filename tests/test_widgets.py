@@ -122,11 +122,25 @@ def test_router_walkthrough_try_it_shows_collapse_then_balance():
     assert f"{before['max share of one expert (any step)']:.3f}" in walk.try_output.value
     bars = walk.tries[1].figure.axes[0]  # each expert's load, before and after
     assert len(bars.patches) == 2 * 8 and "<img" in walk.try_output.value
+    walk.next_button.click()  # step 3: bias balancing alone fixes it, the task loss shown beside
+    diff = html.unescape(walk.patch_view.value)
+    assert "+from lightning_zeromoe.balancing import ExpertBiasBalancer" in diff and "score_bias=True" in diff
+    assert "[bias-balancing]" not in walk.what.value and "ExpertBiasBalancer(update_rate=1e-3)" in walk.what.value
+    walk.try_button.click()
+    before, after = walk.tries[2].before, walk.tries[2].after
+    assert before["max share of one expert (last step)"] > COLLAPSE > after["max share of one expert (last 20 steps)"]
+    assert after["task loss (last step)"] > 0 and "task loss" in walk.try_output.value
+    bars, _, losses = walk.tries[2].figure.axes
+    assert len(bars.patches) == 2 * 8 and len(losses.lines) == 2
+    walk.next_button.click()  # step 4: the z-loss, measured (it steadies logits; it does not balance)
+    assert "z_loss_weight=0.001" in html.unescape(walk.patch_view.value)
+    walk.try_button.click()
+    assert walk.tries[3].after["router z-loss (last step)"] > 0
     walk.next_button.click()
-    walk.next_button.click()  # step 4: router init as well
+    walk.next_button.click()  # step 6: router init as well
     assert "router_init_std=0.02" in html.unescape(walk.patch_view.value)
     walk.try_button.click()
-    assert walk.tries[3].after["max share of one expert (any step)"] < COLLAPSE
+    assert walk.tries[5].after["max share of one expert (any step)"] < COLLAPSE
 
 
 def test_native_moe_walkthrough_lints_and_tries_the_fix():

@@ -10,7 +10,7 @@ imported inside the functions, or in the child processes that run them.
   (measure; micro-batch down with accumulation up; activation checkpointing; ZeRO stage up;
   offload) is walked until it fits.
 * :func:`router_collapse` - extreme router init without aux loss collapses routing; the same run
-  with the aux loss stays balanced.
+  with each remedy (aux loss, aux-loss-free bias balancing, router z-loss, the router init).
 * :func:`native_moe_zero3` - ``deepspeed.moe.layer.MoE`` under ZeRO-3: DeepSpeed's own refusal,
   then the fix really training.
 * :func:`tied_weights`, :func:`stale_param_copy`, :func:`device_move` - ZeRO-3 pitfalls on 2 CPU

@@ -1,7 +1,9 @@
-"""Router collapse / load imbalance: measure the shares; aux loss; bf16 and warm-up; router init.
+"""Router collapse / load imbalance: measure the shares; aux loss; bias balancing; z-loss; bf16 and
+warm-up; router init.
 
-"Try it" trains the tiny one-layer MoE (:mod:`troubleshooter.repro.router`) with and without the
-step's fix and shows each expert's load before and after.
+"Try it" trains the tiny one-layer MoE (:mod:`troubleshooter.repro.router`) from the collapse-prone
+init without a remedy and with the step's remedy, and shows each expert's load before and after,
+the busiest expert per step and the task loss beside it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ __all__ = ["FP16_CONFIG", "router_walkthrough"]
 #: The example config of the precision step when the notebook holds none.
 FP16_CONFIG = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 8}
 
-
 def router_walkthrough(steps_: int | None = None, context: UserContext | None = None,
                        config: Mapping | None = None) -> Walkthrough:
-    """Router collapse: measure; the aux loss; precision; the router init (``steps_``: training steps)."""
+    """Router collapse: measure; the aux loss; bias balancing; the z-loss; precision; the router init
+    (``steps_``: training steps of the reproduction)."""
     from troubleshooter.repro import router as rr
 
     n = steps_ or rr.STEPS
@@ -40,16 +42,18 @@ def router_walkthrough(steps_: int | None = None, context: UserContext | None = 
                         f"(uniform: {rr.TOP_K / rr.NUM_EXPERTS:.2f})"])
 
     def pair_try(which: str) -> Callable[[], TryResult]:
-        """Before: no aux loss, extreme init. After: ``aux_only`` (this step's fix alone) or
-        ``with_fix`` (aux loss and a small-std router init, the next step's fix as well)."""
+        """Before: no remedy, extreme init. After: the run of
+        :class:`~troubleshooter.repro.router.RouterCollapseResult` named ``which``."""
         def run() -> TryResult:
             result = rr.router_collapse(steps=n)
-            after = result.aux_only if which == "aux_only" else result.with_fix
+            after = getattr(result, which)
 
             def nums(r: Any) -> dict:
                 return {"max share of one expert (any step)": r.worst,
                         "max share of one expert (last step)": r.max_share[-1],
-                        "aux loss (last step)": r.aux[-1], "task loss (last step)": r.task[-1]}
+                        f"max share of one expert (last {n // 2} steps)": max(r.max_share[n // 2:]),
+                        "task loss (last step)": r.task[-1], "aux loss (last step)": r.aux[-1],
+                        "router z-loss (last step)": r.z[-1]}
 
             return TryResult(nums(result.without_fix), nums(after),
                              f"{n} steps of the example tiny MoE, same seed and data; {after.label}. Collapse: one "
@@ -71,6 +75,14 @@ def router_walkthrough(steps_: int | None = None, context: UserContext | None = 
              lambda: text_diff(rr.config_source(aux_loss_weight=0.0), rr.config_source(aux_loss_weight=0.01),
                                "train.py"),
              pair_try("aux_only")),
+        Step("Aux-loss-free bias balancing", "router-collapse", ("bias-balancing",),
+             "Measure routing (example)", measure,
+             lambda: text_diff(rr.balancer_source(), rr.balancer_source(rr.BIAS_RATE), "train.py"),
+             pair_try("bias_balanced")),
+        Step("Router z-loss", "router-collapse", ("router-z-loss",),
+             "Measure routing (example)", measure,
+             lambda: text_diff(rr.config_source(0.0), rr.config_source(0.0, z_loss_weight=rr.Z_WEIGHT), "train.py"),
+             pair_try("z_loss")),
         Step("bf16 rather than fp16, longer warm-up", "fp16-moe",
              ("use-bf16", "stabilise-fp16", "watch-skipped-steps"),
              f"Lint {'the example fp16 config' if example else label}",
