@@ -190,3 +190,20 @@ def test_lora_merge_and_adapter_names():
     assert torch.allclose(split_lora(outputs, [rs])[0][0].build(None), w + 8 / math.sqrt(2) * (b @ a))
     with pytest.raises(ExportError, match=r"^\[export-unsupported-model\] .*use_dora=True"):
         split_lora(outputs, [LoraAdapter("default", {"peft_type": "LORA", "r": 2, "lora_alpha": 8, "use_dora": True})])
+
+
+def test_a_bf16_runs_optimizer_shards_are_found(tmp_path):
+    """DeepSpeed names a bf16 run's optimizer shards ``bf16_zero_pp_rank_R_...`` (every GPU run);
+    the exporter refused them as missing until benchmarks/gpu_check.py's CPU fallback tried one."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from lightning_zeromoe.checkpoint.sources import _optim_states_of
+
+    model = tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model.write_bytes(b"")
+    plain = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert _optim_states_of(model) == plain  # fp32 run: the plain name (reported missing when absent)
+    prefix = DeepSpeedEngine._get_zero_ckpt_prefix(None, 0, bf16_mode=True)  # DeepSpeed's own naming
+    bf16 = tmp_path / f"{prefix}_mp_rank_00_optim_states.pt"
+    bf16.write_bytes(b"")
+    assert _optim_states_of(model) == bf16

@@ -193,7 +193,7 @@ def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
                           f"{sorted(set(found) - set(range(world))) or 'none'}). Copy every rank's files: each holds "
                           "a different part of the model.")
     models = [found[r] for r in range(world)]
-    optims = [f.with_name(f.name.replace("_model_states.pt", "_optim_states.pt")) for f in models]
+    optims = [_optim_states_of(f) for f in models]
     for o in optims:
         if not o.is_file():
             raise ExportError(SHARDS_MISMATCH, f"{o} is missing: under ZeRO-3 the weights live in the optimizer "
@@ -247,6 +247,14 @@ def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
         total = layers[0][name.rsplit(".", 1)[0]]["num_experts"]
         out.tensors[name] = ExpertSource(name, int(total), tuple(parts))
     return out
+
+
+def _optim_states_of(model_states: Path) -> Path:
+    """A rank's optimizer shard beside its model states: DeepSpeed prefixes it ``bf16_`` when the run
+    trained in bf16 (``runtime/engine.py``, ``_get_zero_ckpt_prefix``), which every GPU run does."""
+    plain = model_states.with_name(model_states.name.replace("_model_states.pt", "_optim_states.pt"))
+    bf16 = plain.with_name("bf16_" + plain.name)
+    return bf16 if bf16.is_file() and not plain.is_file() else plain
 
 
 def _dense(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
