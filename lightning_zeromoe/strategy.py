@@ -36,7 +36,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zeromoe._private import lightning as lightning_private
-from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API
+from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API  # noqa: F401 - re-exported (tests)
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
 from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
