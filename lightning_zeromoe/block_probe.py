@@ -72,7 +72,7 @@ def gathered(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _training(module: nn.Module) -> Iterator[None]:
+def training_mode(module: nn.Module) -> Iterator[None]:
     """Every submodule in training mode (what the block will do while training), modes put back after."""
     modes = [(m, m.training) for m in module.modules()]
     module.train()
@@ -112,7 +112,7 @@ def read_block(block: nn.Module, layout: BlockLayout, *, tokens: int = 16, seed:
         saved = {n: b.clone() for n, b in block.named_buffers()}
         before = _stored(block)
         try:
-            with _training(block), torch.random.fork_rng(devices=[ref.device.index or 0] if ref.is_cuda else []):
+            with training_mode(block), torch.random.fork_rng(devices=[ref.device.index or 0] if ref.is_cuda else []):
                 first, second = block(x), block(x)
         except Exception as exc:  # noqa: BLE001 - a block we cannot call is a verdict, not a crash
             return BlockReading(layout, None, f"the block cannot be called on a [batch, seq, hidden] probe ({exc})")

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe import collectives
+from lightning_zeromoe.block_probe import gathered
 from lightning_zeromoe.conversion_probe import (ProbeError, Side, expert_weight_names, output_of, parameter_name,
                                                 probe, recorded_by)
 from lightning_zeromoe.discovery import Discovery, MoEBlock
@@ -87,19 +88,6 @@ def tolerance_for(dtype: torch.dtype) -> float:
     """
     return {torch.float64: 1e-9, torch.float32: COMPARE_TOLERANCE, torch.bfloat16: 4e-2,
             torch.float16: 1e-2}.get(dtype, COMPARE_TOLERANCE)
-
-
-@contextlib.contextmanager
-def _gathered(module: nn.Module) -> Iterator[None]:
-    """Full parameters of ``module`` for the probe: ZeRO-3 partitioned ones are gathered (read-only)."""
-    params = list(module.parameters())
-    if not any(hasattr(p, "ds_id") for p in params):
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield
 
 
 @contextlib.contextmanager
@@ -181,7 +169,7 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
         except Exception as exc:  # noqa: BLE001 - AutoEP refusing the block is a verdict, not a crash
             return refused(f"AutoEP refused it: {exc}")
     try:
-        with _gathered(block):
+        with gathered(block):
             hidden = (block_info.layout.hidden_size if block_info.layout else None) or spec.hidden_size
             num_experts = int(spec.num_experts)
             router = getattr(getattr(block, spec.router_name, None), "weight", None)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from lightning_zeromoe.block_probe import training_mode
 from lightning_zeromoe.probe_report import COMPARE_TOLERANCE, QUANTITIES, ProbeReport
 from lightning_zeromoe._private import torch as torch_private
 
@@ -103,17 +104,6 @@ class ProbeError(Exception):
         super().__init__(f"{side}: {type(error).__name__}: {error}")
         self.side, self.error = side, error
 
-
-@contextlib.contextmanager
-def training_mode(module: nn.Module) -> Iterator[None]:
-    """Every submodule in training mode; each one's own mode put back afterwards."""
-    modes = [(m, m.training) for m in module.modules()]
-    module.train()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 @contextlib.contextmanager
