@@ -117,6 +117,15 @@ def _same_experts(experts: nn.ModuleList) -> bool:
                for e in experts)
 
 
+def weight_shapes(child: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(path, full shape)`` of ``child.weight`` and of each of its own children's ``weight`` (a
+    router module holding ``self.gate = nn.Linear``, HunYuan's ``gate.wg``): where a router's
+    ``[E, H]`` projection can sit."""
+    candidates = [("weight", getattr(child, "weight", None))]
+    candidates += [(f"{sub}.weight", getattr(grand, "weight", None)) for sub, grand in child.named_children()]
+    return [(rel, shape_of(weight)) for rel, weight in candidates if isinstance(weight, torch.Tensor)]
+
+
 def _router_for(block: nn.Module, skip: str, num_experts: int,
                 hidden: int | None) -> tuple[str, str, int] | None:
     """``(child, weight path, hidden)`` of the child whose ``weight`` (or whose own child's, as in a
@@ -124,12 +133,7 @@ def _router_for(block: nn.Module, skip: str, num_experts: int,
     for name, child in block.named_children():
         if name == skip or isinstance(child, nn.ModuleList):
             continue
-        candidates = [("weight", getattr(child, "weight", None))]
-        candidates += [(f"{sub}.weight", getattr(grand, "weight", None)) for sub, grand in child.named_children()]
-        for rel, weight in candidates:
-            if not isinstance(weight, torch.Tensor):
-                continue
-            shape = shape_of(weight)
+        for rel, shape in weight_shapes(child):
             if len(shape) == 2 and shape[0] == num_experts and (hidden is None or shape[1] == hidden):
                 return name, f"{name}.{rel}", shape[1]
     return None

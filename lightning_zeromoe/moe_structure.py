@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zeromoe.expert_list import ExpertList, find_expert_list, shape_of
+from lightning_zeromoe.expert_list import ExpertList, find_expert_list, shape_of, weight_shapes
 
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 SHARED_GATE_NAMES = ("shared_expert_gate",)
@@ -97,12 +97,7 @@ def expected_num_experts(config: object) -> int | None:
 def _router_weight(block: nn.Module, num_experts: int | None) -> tuple[str, str, tuple[int, ...]] | None:
     """The child whose weight is [E, H] (directly, or one level down as in ``gate.wg``)."""
     for child_name, child in block.named_children():
-        candidates = [("weight", getattr(child, "weight", None))]
-        candidates += [(f"{sub}.weight", getattr(grand, "weight", None)) for sub, grand in child.named_children()]
-        for rel, weight in candidates:
-            if not isinstance(weight, torch.Tensor):
-                continue
-            shape = shape_of(weight)
+        for rel, shape in weight_shapes(child):
             routerish = any(word in child_name for word in ("router", "gate"))
             # LongCat's router also scores its zero-computation experts: more rows than experts.
             fits = num_experts is None or shape[0] == num_experts or (routerish and shape[0] > num_experts)
