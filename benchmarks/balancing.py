@@ -58,9 +58,9 @@ def run_one(setting: str, seed: int, steps: int, rate: float) -> dict[str, Any]:
     import lightning as L
 
     from lightning_zeromoe import ZeroMoEStrategy
-    from lightning_zeromoe.balancing import ExpertBiasBalancer
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
-    from lightning_zeromoe.monitor import ExpertUtilizationMonitor
+    from lightning_zeromoe.balance.balancer import ExpertBiasBalancer
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.observe.monitor import ExpertUtilizationMonitor
 
     L.seed_everything(seed, verbose=False)
     bias = setting.startswith("bias")

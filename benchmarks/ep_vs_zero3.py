@@ -69,7 +69,7 @@ def run_mode(ep_size: int, warmup: int, steps: int, batch: int, seq: int) -> dic
     from torch.utils.data import DataLoader
 
     from lightning_zeromoe import ZeroMoEStrategy
-    from lightning_zeromoe.models import SyntheticLMData
+    from lightning_zeromoe.reference.models import SyntheticLMData
 
     marks: list[tuple[float, int]] = []
 

@@ -53,7 +53,7 @@ def make_checkpoint(hidden: int, layers: int, out: Path) -> None:
 
     sys.path.insert(0, str(REPO))
     from lightning_zeromoe import ZeroMoEStrategy
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 
     L.seed_everything(0, verbose=False)
     config = TinyMoEConfig(vocab_size=1024, hidden_size=hidden, ffn_hidden_size=2 * hidden, num_layers=layers,

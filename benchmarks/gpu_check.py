@@ -111,7 +111,7 @@ def _strategy_part(out: Path) -> None:
 
     from lightning_zeromoe import ExpertUtilizationMonitor, ZeroMoEStrategy
     from lightning_zeromoe.checkpoint import export
-    from lightning_zeromoe.models import SyntheticLMData
+    from lightning_zeromoe.reference.models import SyntheticLMData
 
     cuda = torch.cuda.is_available()
     held_out = SyntheticLMData(num_samples=2, seq_len=17, vocab_size=128, seed=7).tokens

@@ -14,7 +14,7 @@ blocks inside ``deepspeed.initialize``). Each rank reports, from ``/proc/self/st
 Modes:
 
 * ``partitions``: the strategy as shipped: transformers is told ZeRO-3 is on, and each rank copies
-  only its own slice of every tensor into its partition (``lightning_zeromoe.hf_loading``);
+  only its own slice of every tensor into its partition (``lightning_zeromoe.loading.hf_zero3``);
 * ``transformers``: the same, but with transformers' own ZeRO-3 loader (the benchmark restores it):
   every module is gathered on all ranks and rank 0 reads the whole checkpoint;
 * ``unsharded``: ``configure_model`` outside ``zero.Init`` (what happened before: every rank builds
@@ -77,7 +77,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from lightning_zeromoe import ZeroMoEStrategy, hf_loading
+    from lightning_zeromoe import ZeroMoEStrategy
+    from lightning_zeromoe.loading import hf_zero3 as hf_loading
 
     if args.mode == "transformers":
         hf_loading._partition_loader = lambda original: original  # transformers' own ZeRO-3 loader

@@ -2,7 +2,7 @@
 
 One process, no process group: the model is built from the same config as ``load_memory.py``
 (32 layers x 8 experts, hidden 512), optionally cast to bf16, and
-:func:`lightning_zeromoe.conversion_check.check_conversion` is timed over all its MoE blocks, as
+:func:`lightning_zeromoe.conversion.check.check_conversion` is timed over all its MoE blocks, as
 every rank runs it inside ``ZeroMoEStrategy`` before ``deepspeed.initialize``. Under ZeRO-3 each
 rank also gathers each block once for the probe (the same before and after; not measured here).
 
@@ -12,7 +12,7 @@ rank also gathers each block once for the probe (the same before and after; not 
     python benchmarks/probe_cost.py --expert-grads       # with the expert-weight gradients compared
 
 ``--impl`` loads a ``conversion_check`` module from a file (e.g. ``git show
-<rev>:lightning_zeromoe/conversion_check.py > /tmp/old.py``), so a before/after comparison runs
+<rev>:lightning_zeromoe/conversion/check.py > /tmp/old.py``), so a before/after comparison runs
 on the same machine, back to back. Prints one line per dtype: wall seconds in total and per block,
 the process's CPU seconds (steadier than wall time on a shared machine), and the largest errors
 the probe measured.
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 def load_impl(path: str | None) -> ModuleType:
     """The ``conversion_check`` module to time: the repository's, or one read from ``path``."""
     if path is None:
-        from lightning_zeromoe import conversion_check
+        from lightning_zeromoe.conversion import check as conversion_check
 
         return conversion_check
     spec = importlib.util.spec_from_file_location("conversion_check_under_test", path)
@@ -75,14 +75,14 @@ def main() -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     import torch
 
-    from lightning_zeromoe.discovery import discover
+    from lightning_zeromoe.discovery.find import discover
 
     impl = load_impl(args.impl)
     model = build(args.layers)
     numel = sum(p.numel() for p in model.parameters())
     print(f"Mixtral: {numel / 1e6:.0f} M parameters, {args.layers} MoE blocks; "
           f"torch threads {torch.get_num_threads()}; "
-          f"implementation {args.impl or 'lightning_zeromoe.conversion_check'}", flush=True)
+          f"implementation {args.impl or 'lightning_zeromoe.conversion.check'}", flush=True)
     for name in args.dtypes.split(","):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         model = model.to(dtype)

@@ -1,6 +1,6 @@
 """What does training through ``ZeroMoEStrategy`` + the Lightning Trainer cost over raw DeepSpeed?
 
-Two ways of training the same tiny MoE (``lightning_zeromoe.models.TinyMoELM``, default
+Two ways of training the same tiny MoE (``lightning_zeromoe.reference.models.TinyMoELM``, default
 ``TinyMoEConfig``: 2 layers, 4 experts, top-2) with ZeRO-3 + AutoEP on ``--nproc`` CPU ranks (gloo):
 
 (a) ``lightning``: ``L.Trainer(accelerator="cpu", devices=2, strategy=ZeroMoEStrategy(ep_size=2))``
@@ -155,8 +155,10 @@ def run_lightning(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
 
-    from lightning_zeromoe import ZeroMoEStrategy, models
-    from lightning_zeromoe.models import TinyMoEModule
+    from lightning_zeromoe import ZeroMoEStrategy
+
+    from lightning_zeromoe.reference import models
+    from lightning_zeromoe.reference.models import TinyMoEModule
 
     marks["imported"] = time.time()
     segments = _Segments()
@@ -255,8 +257,8 @@ def run_raw(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from lightning_zeromoe import models
-    from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference import models
+    from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM
 
     marks["imported"] = time.time()
     segments = _Segments()

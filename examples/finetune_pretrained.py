@@ -69,7 +69,7 @@ def save_tiny_mixtral(path: Path) -> None:
 
 
 def datasets(vocab: int, n_train: int, n_val: int) -> tuple[Any, Any]:
-    from lightning_zeromoe.models import SyntheticLMData
+    from lightning_zeromoe.reference.models import SyntheticLMData
 
     train = SyntheticLMData(num_samples=n_train, seq_len=17, vocab_size=vocab, seed=0)
     val = SyntheticLMData(num_samples=n_val, seq_len=17, vocab_size=vocab, seed=1)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from lightning_zeromoe.notices import silence_known_notices
+    from lightning_zeromoe.engine.notices import silence_known_notices
 
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     silence_known_notices()

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 + expert parallelism (AutoEP) for PyTorch Lightning.
 
 ``from lightning_zeromoe import ZeroMoEStrategy`` loads Lightning and DeepSpeed; importing the
-package itself, or its light modules (``compat``, ``config``, ``validation``, ``planner``), does not.
+package itself, or its light modules (``compat``, ``config.*``, ``planner``), does not.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved on first access so light submodules stay light.
 _LAZY = {
     "ZeroMoEStrategy": "lightning_zeromoe.strategy",
-    "MoEPattern": "lightning_zeromoe.discovery",
-    "TinyMoEConfig": "lightning_zeromoe.models",
-    "TinyMoELM": "lightning_zeromoe.models",
-    "TinyMoEModule": "lightning_zeromoe.models",
+    "MoEPattern": "lightning_zeromoe.discovery.find",
+    "TinyMoEConfig": "lightning_zeromoe.reference.models",
+    "TinyMoELM": "lightning_zeromoe.reference.models",
+    "TinyMoEModule": "lightning_zeromoe.reference.models",
     "plan": "lightning_zeromoe.planner",
-    "ExpertUtilizationMonitor": "lightning_zeromoe.monitor",
-    "ExpertBiasBalancer": "lightning_zeromoe.balancing",
-    "router_z_loss": "lightning_zeromoe.balance_rules",
+    "ExpertUtilizationMonitor": "lightning_zeromoe.observe.monitor",
+    "ExpertBiasBalancer": "lightning_zeromoe.balance.balancer",
+    "router_z_loss": "lightning_zeromoe.balance.rules",
 }
 
 __all__ = sorted(_LAZY)

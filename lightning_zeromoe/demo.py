@@ -20,8 +20,8 @@ import torch
 
 # torch.distributed's own deprecation notices fire on every collective DeepSpeed makes.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-from lightning_zeromoe import collectives  # noqa: E402
-from lightning_zeromoe.notices import silence_known_notices  # noqa: E402
+from lightning_zeromoe.engine import collectives  # noqa: E402
+from lightning_zeromoe.engine.notices import silence_known_notices  # noqa: E402
 
 silence_known_notices()
 
@@ -61,7 +61,7 @@ def resolve_accelerator(requested: str, devices: int) -> tuple[str, int, str]:
 def make_report_callback() -> Any:
     import lightning as L
 
-    from lightning_zeromoe.telemetry import global_counts, human_bytes, state_bytes, expert_shares
+    from lightning_zeromoe.observe.telemetry import global_counts, human_bytes, state_bytes, expert_shares
 
     class DemoReport(L.Callback):
         """Times steady-state throughput and prints expert shares and per-rank memory at the end."""
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import lightning as L
 
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
     from lightning_zeromoe.strategy import ZeroMoEStrategy
 
     L.seed_everything(0, verbose=False)

@@ -3,19 +3,19 @@
 A subclass of Lightning's ``DeepSpeedStrategy``; the hooks below run in Lifecycle order. What each adds:
 
 * ``__init__``: sort Lightning's ``DeepSpeedStrategy`` keywords into passed-on, mapped into the
-  config, or refused (:mod:`lightning_zeromoe.keywords`); read ``PL_DEEPSPEED_CONFIG_PATH``.
+  config, or refused (:mod:`lightning_zeromoe.config.keywords`); read ``PL_DEEPSPEED_CONFIG_PATH``.
 * ``_configure_launcher`` (devices and nodes known, no rank launched): refuse an ``ep_size`` that
   does not divide the world, in the user's own process.
 * ``setup_environment``: on CPU, select DeepSpeed's CPU accelerator instead of refusing; give
   ``zero.Init`` (``configure_model``) the ZeRO section it needs. No model yet: nothing else.
 * ``setup_distributed``: on CPU, skip the CUDA device-index check and join a gloo group.
 * ``setup`` (after ``configure_model``: the model exists): discover the MoE blocks, pick the stage
-  for ``stage="auto"``, build, merge and validate the config once (:func:`lightning_zeromoe.resolve.resolve`).
+  for ``stage="auto"``, build, merge and validate the config once (:func:`lightning_zeromoe.config.resolve.resolve`).
 * ``_setup_model_and_optimizer`` / ``_initialize_deepspeed_inference``: one engine builder for
   training and evaluation, on every device (:meth:`ZeroMoEStrategy._build_engine`): it lends the
   Hugging Face config to the root while ``deepspeed.initialize`` runs (AutoEP reads ``root.config``)
   and passes a device rank DeepSpeed accepts on CPU. Under ZeRO-1/2 with MoE the user's optimizer is
-  split into MoE and non-MoE param groups (:mod:`lightning_zeromoe.moe_groups`).
+  split into MoE and non-MoE param groups (:mod:`lightning_zeromoe.engine.moe_groups`).
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ from typing_extensions import override
 from lightning_zeromoe._private import lightning as lightning_private
 from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API  # noqa: F401 - re-exported (tests)
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
-from lightning_zeromoe.config import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
-from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
-from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keywords
-from lightning_zeromoe.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
+from lightning_zeromoe.config.deepspeed import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
+from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover
+from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, config_source, split_keywords
+from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
                                          use_deepspeed_cpu_accelerator)
-from lightning_zeromoe.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
+from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
                                        effective_grouped_experts,
                                        inference_config, resolve, zero_init_config)
-from lightning_zeromoe.validation import ZeroMoEConfigError, check_ep_divides_world
+from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
 
 if TYPE_CHECKING:
     import deepspeed
@@ -126,7 +126,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             those that only fed Lightning's own config builder (activation checkpointing, aio,
             ``offload_*_device``, ``nvme_path``, ``sub_group_size``, ``logging_batch_size_per_gpu``, ...)
             are written into the built config; ``zero_optimization`` is refused
-            (:mod:`lightning_zeromoe.keywords`).
+            (:mod:`lightning_zeromoe.config.keywords`).
     """
 
     strategy_name = "zero_moe"
@@ -182,8 +182,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         self._once = WarningCache()
         if grad_audit_steps < 0:
             raise ValueError(f"grad_audit_steps={grad_audit_steps} must be >= 0 (0 turns the gradient audit off).")
-        # ZeRO-3 pitfalls (lightning_zeromoe.pitfalls): one typed object, called at each hook.
-        from lightning_zeromoe.pitfalls import PitfallOptions, ZeroPitfalls
+        # ZeRO-3 pitfalls (lightning_zeromoe.engine.pitfalls): one typed object, called at each hook.
+        from lightning_zeromoe.engine.pitfalls import PitfallOptions, ZeroPitfalls
 
         self.pitfalls = ZeroPitfalls(
             PitfallOptions(register_tied_parameters=register_tied_parameters,
@@ -242,14 +242,14 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """``configure_model`` runs here: DeepSpeed's ``zero.Init`` (stage 3), and transformers told so.
 
         Under ``zero.Init`` every module's parameters are partitioned as it is constructed. Inside,
-        :func:`lightning_zeromoe.hf_loading.transformers_zero3` makes ``from_pretrained`` build the
+        :func:`lightning_zeromoe.loading.hf_zero3.transformers_zero3` makes ``from_pretrained`` build the
         model partitioned (not on the meta device) and copy each rank's slice of the checkpoint
         straight into its partition: no rank ever holds the whole model. AutoEP converts the MoE
         blocks later, inside ``deepspeed.initialize``. The heap is trimmed after each partitioned
-        module (:func:`lightning_zeromoe.memory_release.trim_after_each_partition`).
+        module (:func:`lightning_zeromoe.loading.memory_release.trim_after_each_partition`).
         """
-        from lightning_zeromoe.hf_loading import transformers_zero3
-        from lightning_zeromoe.memory_release import trim_after_each_partition
+        from lightning_zeromoe.loading.hf_zero3 import transformers_zero3
+        from lightning_zeromoe.loading.memory_release import trim_after_each_partition
 
         stage_3 = self.zero_stage_3
         with super().model_sharded_context(), trim_after_each_partition(stage_3), \
@@ -341,7 +341,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Module, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any = None,
     ) -> tuple["deepspeed.DeepSpeedEngine", torch.optim.Optimizer]:
-        from lightning_zeromoe.moe_groups import MoEOptimizerSplit, groups_with_names
+        from lightning_zeromoe.engine.moe_groups import MoEOptimizerSplit, groups_with_names
 
         check_offload_optimizer(self.config, type(optimizer) if optimizer is not None else None)
         self._pitfalls_before_engine(model)
@@ -391,7 +391,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """
         if self.model is None or not self.zero_stage_3:
             return
-        from lightning_zeromoe.resume import saved_parameter_order
+        from lightning_zeromoe.checkpoint.resume.reshape import saved_parameter_order
 
         module = self.lightning_module
         config = inference_config(self.config, already_converted=_autoep_converted(module))
@@ -415,7 +415,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                 args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
         if converts and self.discovery is not None:
-            from lightning_zeromoe.conversion_check import match_output_contract, restore_router_logits
+            from lightning_zeromoe.conversion.check import match_output_contract, restore_router_logits
 
             restore_router_logits(self.lightning_module, self.discovery)
             for block in self.discovery.blocks:  # (hidden, router_logits) blocks without HF recorders: hand-written
@@ -426,8 +426,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """Before AutoEP converts: probe each conversion, narrow the AutoEP section to the blocks
         that compute what the original does, mark the rest as ZeRO-3 leaf modules, and say so in
         one line. Returns the config to use and whether AutoEP will convert anything (see
-        :mod:`lightning_zeromoe.conversion_check`)."""
-        from lightning_zeromoe.conversion_check import (check_conversion, narrowed_config, probe_summary,
+        :mod:`lightning_zeromoe.conversion.check`)."""
+        from lightning_zeromoe.conversion.check import (check_conversion, narrowed_config, probe_summary,
                                                         register_fallback_leaves)
 
         found, module = self.discovery, self.lightning_module
@@ -462,11 +462,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     # ------------------------------------------------------------------ ZeRO-3 pitfalls
 
     def _pitfalls_before_engine(self, model: Module) -> None:
-        """Before ``deepspeed.initialize``: see :meth:`lightning_zeromoe.pitfalls.ZeroPitfalls.before_engine`."""
+        """Before ``deepspeed.initialize``: see :meth:`lightning_zeromoe.engine.pitfalls.ZeroPitfalls.before_engine`."""
         self.pitfalls.before_engine(model, self.root_device)
 
     def _pitfalls_after_engine(self, engine: "deepspeed.DeepSpeedEngine") -> None:
-        """After ``deepspeed.initialize``: see :meth:`lightning_zeromoe.pitfalls.ZeroPitfalls.after_engine`."""
+        """After ``deepspeed.initialize``: see :meth:`lightning_zeromoe.engine.pitfalls.ZeroPitfalls.after_engine`."""
         self.pitfalls.after_engine(engine, self.root_device, self.zero_stage_3)
 
     @override
@@ -477,7 +477,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     def _pitfalls_after_step(self) -> None:
         """After each ``optimizer_step`` call (one per micro-batch under DeepSpeed): see
-        :meth:`lightning_zeromoe.pitfalls.ZeroPitfalls.after_step`, which counts optimizer steps."""
+        :meth:`lightning_zeromoe.engine.pitfalls.ZeroPitfalls.after_step`, which counts optimizer steps."""
         self.pitfalls.after_step(self.model)
 
     @override
@@ -547,7 +547,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             rank_zero_warn(f"ZeroMoEStrategy: could not write {META_FILE} into {filepath} ({type(err).__name__}: "
                            f"{err}); the checkpoint resumes normally but `zeromoe-export` cannot convert it.")
 
-    # ------------------------------------------------------------------ resume (lightning_zeromoe.resume)
+    # ------------------------------------------------------------------ resume (lightning_zeromoe.checkpoint.resume.reshape)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -566,7 +566,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             self._load_checkpoint_for_evaluation(checkpoint_path)
 
-        from lightning_zeromoe import resume
+        from lightning_zeromoe.checkpoint.resume import reshape as resume
 
         lightning_private.validate_checkpoint_directory(checkpoint_path)
         saved = resume.read_saved(checkpoint_path)
@@ -596,7 +596,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         rank cuts its own experts from the state dict (which every rank has read) before the same
         gather-load-broadcast, and missing or unexpected keys are an error when ``strict``.
         """
-        from lightning_zeromoe.full_weights import load_gathered, to_autoep_state_dict
+        from lightning_zeromoe.checkpoint.full_weights import load_gathered, to_autoep_state_dict
 
         if not (self.load_full_weights and self.zero_stage_3):
             return super().load_model_state_dict(checkpoint, strict=strict)

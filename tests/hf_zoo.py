@@ -117,7 +117,7 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     # A pretrained model's routing biases are learned, not zero: give them values that change
     # which experts are picked, so the conversion and the export are tested on them.
-    from lightning_zeromoe.moe_structure import ROUTING_TENSOR_NAMES
+    from lightning_zeromoe.discovery.structure import ROUTING_TENSOR_NAMES
 
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
@@ -138,7 +138,7 @@ def moe_model_types() -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from lightning_zeromoe.moe_structure import expected_num_experts
+    from lightning_zeromoe.discovery.structure import expected_num_experts
 
     found = []
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

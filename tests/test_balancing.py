@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from jobs_util import read_ranks, run_job
-from lightning_zeromoe.balance_rules import bias_update, router_z_loss
+from lightning_zeromoe.balance.rules import bias_update, router_z_loss
 from troubleshooter import knowledge
 
 sys.path.insert(0, str(Path(__file__).parent / "jobs"))
@@ -68,7 +68,7 @@ def test_router_z_loss_by_hand():
 
 def _choices(sites, net, ids) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Counts per site (through the balancer's own hooks) and the logits of one forward."""
-    from lightning_zeromoe.balancing import ExpertBiasBalancer
+    from lightning_zeromoe.balance.balancer import ExpertBiasBalancer
 
     balancer = ExpertBiasBalancer()
     balancer.sites = sites
@@ -86,8 +86,8 @@ def _choices(sites, net, ids) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 def test_every_family_with_a_choice_only_bias_is_found_and_it_steers_only_the_choice():
     from hf_zoo import ARCHS, build, tiny_config
-    from lightning_zeromoe.balancing import find_score_biases
-    from lightning_zeromoe.moe_structure import ROUTING_TENSOR_NAMES
+    from lightning_zeromoe.balance.balancer import find_score_biases
+    from lightning_zeromoe.discovery.structure import ROUTING_TENSOR_NAMES
 
     torch.set_num_threads(1)
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -135,8 +135,8 @@ def _fit_one_step(module, balancer) -> None:
 
 
 def test_a_model_without_a_choice_only_bias_is_refused_with_the_reason():
-    from lightning_zeromoe.balancing import REFUSED, BiasBalancingError, ExpertBiasBalancer
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.balance.balancer import REFUSED, BiasBalancingError, ExpertBiasBalancer
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 
     with pytest.raises(BiasBalancingError) as err:
         _fit_one_step(TinyMoEModule(TinyMoEConfig(), batch_size=2, num_samples=4), ExpertBiasBalancer())
@@ -158,7 +158,7 @@ def test_a_model_without_a_choice_only_bias_is_refused_with_the_reason():
 def test_tiny_module_logs_the_z_loss_apart_and_adds_it():
     import lightning as L
 
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 
     L.seed_everything(0, verbose=False)
     module = TinyMoEModule(TinyMoEConfig(z_loss_weight=0.5, aux_loss_weight=0.01), batch_size=2, num_samples=4)
@@ -278,7 +278,7 @@ def test_hf_family_balances_and_adds_the_z_loss_alike_with_and_without_ep(job, f
 
 
 def test_a_bias_changed_on_one_rank_stops_every_rank_with_the_entry_id(job):
-    from lightning_zeromoe.balancing import DIVERGED
+    from lightning_zeromoe.balance.balancer import DIVERGED
 
     for rank in job:
         result = rank["diverged"]
@@ -293,8 +293,8 @@ def test_a_bf16_bias_keeps_moving_by_steps_smaller_than_bf16_spacing():
     value, so the bias still moves, and the model holds exactly the copy in its own dtype."""
     import lightning as L
 
-    from lightning_zeromoe.balancing import ExpertBiasBalancer
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.balance.balancer import ExpertBiasBalancer
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 
     L.seed_everything(0, verbose=False)
     module = TinyMoEModule(TinyMoEConfig(score_bias=True, num_layers=1), batch_size=4, num_samples=64)

@@ -124,7 +124,7 @@ def test_shards_use_autoep_names_and_meta_maps_them_back(tiny):
 
 
 def test_tiny_export_loads_strict_and_reproduces_engine(tiny):
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     state = _load(tiny["file"])
     assert not any(".router." in k or ".experts.w" in k for k in state), "AutoEP names leaked into the export"
@@ -181,7 +181,7 @@ def test_tiny_4_ranks_experts_replicated_over_expert_data_parallel_groups(tmp_pa
     assert [g["partition_ranks"] for g in groups] == [[0, 1, 2, 3], [0, 2]]
     proc = _cli(job["ckpt_path"], str(tmp_path / "m.safetensors"))
     assert proc.returncode == 0, proc.stderr
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     model = TinyMoELM(TinyMoEConfig(**job["config"]))
     model.load_state_dict(_load(tmp_path / "m.safetensors"), strict=True)
@@ -266,7 +266,7 @@ def test_tiny_hf_directory_shards_match_the_single_file(tiny):
     single = _load(tiny["file"])
     assert state.keys() == single.keys() and all(torch.equal(state[k], single[k]) for k in state)
     config = json.loads((tiny["hf"] / "config.json").read_text())
-    assert config["zeromoe_model_class"] == "lightning_zeromoe.models.TinyMoELM"
+    assert config["zeromoe_model_class"] == "lightning_zeromoe.reference.models.TinyMoELM"
     assert {k: v for k, v in config.items() if k != "zeromoe_model_class"} == tiny["job"]["config"]
 
 
@@ -304,7 +304,7 @@ def _hf_dir_state(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", ["stage1", "stage2_frozen", "stage3_frozen"])
 def test_zero_stage_1_2_and_frozen_embedding_export(variants, name, tmp_path):
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     run = variants["runs"][name]
     out, ref = _export_run(variants, name, tmp_path)
@@ -315,7 +315,7 @@ def test_zero_stage_1_2_and_frozen_embedding_export(variants, name, tmp_path):
     model.load_state_dict(_hf_dir_state(out), strict=True)
     import lightning as L
 
-    from lightning_zeromoe.models import TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEModule
 
     L.seed_everything(0, verbose=False)  # the job's seed: the model as the run started
     initial = TinyMoEModule(TinyMoEConfig(**run["config"]), batch_size=4, num_samples=64).model
@@ -506,7 +506,7 @@ def test_export_needs_no_model_code_and_no_deepspeed(mixtral, tmp_path):
     code = ("import sys; from lightning_zeromoe.checkpoint import export; "
             f"export({str(mixtral['ckpt'])!r}, {str(tmp_path / 'm.safetensors')!r}, progress=False); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'deepspeed', 'lightning'})"
-            " + sorted(m for m in sys.modules if m == 'lightning_zeromoe.models'))")
+            " + sorted(m for m in sys.modules if m == 'lightning_zeromoe.reference.models'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=job_env(),
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from jobs_util import JOBS, REPO, free_port, job_env
-from lightning_zeromoe import resume
-from lightning_zeromoe.autoep_names import ResumeShapeError
+from lightning_zeromoe.checkpoint.resume import reshape as resume
+from lightning_zeromoe.checkpoint.autoep_names import ResumeShapeError
 
 
 def _launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

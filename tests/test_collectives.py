@@ -1,4 +1,4 @@
-"""``lightning_zeromoe.collectives``: the device choice per backend, real collectives, and one place.
+"""``lightning_zeromoe.engine.collectives``: the device choice per backend, real collectives, and one place.
 
 * The device choice (:func:`device_for_backend`) is pure, so every backend string is checked here
   without a GPU; the CUDA index is passed in. What only a GPU can confirm: that NCCL really refuses
@@ -9,7 +9,7 @@
 * Two real ranks over gloo (``tests/jobs/collectives_job.py``, TCP rendezvous on free ports) call
   every wrapper and two of the package's call sites, for ``gloo``, ``cpu:gloo`` and no backend.
 * An AST scan fails when any module of ``lightning_zeromoe/`` or ``troubleshooter/`` other than
-  ``lightning_zeromoe/collectives.py`` calls a ``torch.distributed`` or ``deepspeed.comm``
+  ``lightning_zeromoe/engine/collectives.py`` calls a ``torch.distributed`` or ``deepspeed.comm``
   collective itself; the scanner is checked on small sources first.
 """
 
@@ -25,7 +25,7 @@ import pytest
 import torch
 from jobs_util import JOBS, REPO, free_port, job_env
 
-from lightning_zeromoe.collectives import (KNOWN_BACKENDS, UnknownBackendError, backend_device_types,
+from lightning_zeromoe.engine.collectives import (KNOWN_BACKENDS, UnknownBackendError, backend_device_types,
                                            device_for_backend)
 
 CPU = torch.device("cpu")
@@ -197,7 +197,7 @@ COLLECTIVES = frozenset({
 #: Modules whose attributes of those names are collectives.
 COLLECTIVE_MODULES = frozenset({"torch.distributed", "torch.distributed.distributed_c10d",
                                 "torch.distributed._functional_collectives", "deepspeed.comm", "deepspeed.comm.comm"})
-ALLOWED = {Path("lightning_zeromoe/collectives.py")}
+ALLOWED = {Path("lightning_zeromoe/engine/collectives.py")}
 
 
 def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
@@ -283,7 +283,7 @@ def test_scanner_catches_each_form(source, expected):
 
 @pytest.mark.parametrize("source", [
     "from lightning_zeromoe import collectives\ncollectives.all_reduce(t)\ncollectives.barrier()",
-    "from lightning_zeromoe.collectives import all_reduce, barrier\nall_reduce(t)\nbarrier()",
+    "from lightning_zeromoe.engine.collectives import all_reduce, barrier\nall_reduce(t)\nbarrier()",
     "import torch.distributed as dist\ndist.get_rank(); dist.new_group([0]); dist.ReduceOp.MIN; dist.is_initialized()",
     "param.all_gather()\nengine.broadcast(x)\nstrategy.barrier()",  # not torch's or DeepSpeed's functions
     "def barrier():\n    pass\nbarrier()",
@@ -301,7 +301,7 @@ def test_no_module_but_collectives_calls_a_collective_itself():
             if rel in ALLOWED:
                 continue
             offenders += [f"{rel}:{hit}" for hit in direct_collectives(path.read_text(encoding="utf-8"))]
-    assert offenders == [], ("call these through lightning_zeromoe.collectives, which runs them on the "
+    assert offenders == [], ("call these through lightning_zeromoe.engine.collectives, which runs them on the "
                              "backend's device:\n" + "\n".join(offenders))
     # and the allowed module really is where they are
-    assert direct_collectives((REPO / "lightning_zeromoe/collectives.py").read_text(encoding="utf-8"))
+    assert direct_collectives((REPO / "lightning_zeromoe/engine/collectives.py").read_text(encoding="utf-8"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zeromoe.config import ZeroOptions, build_config, converts_blocks, merge_config
+from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config
 
 
 def test_stage3_defaults_follow_the_field_notes():

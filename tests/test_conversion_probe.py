@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_zoo import build
-from lightning_zeromoe.conversion_check import (ENTRY_ID, _Holder, _section_for_probe, check_block, check_conversion,
+from lightning_zeromoe.conversion.check import (ENTRY_ID, _Holder, _section_for_probe, check_block, check_conversion,
                                                 probe_summary, tolerance_for)
-from lightning_zeromoe.conversion_probe import GROWTH, MAX_TOKENS, probe_tokens
-from lightning_zeromoe.discovery import discover
-from lightning_zeromoe.models import MoEBlock, TinyMoEConfig, TinyMoELM
-from lightning_zeromoe.probe_report import COMPARE_TOLERANCE
+from lightning_zeromoe.conversion.probe import GROWTH, MAX_TOKENS, probe_tokens
+from lightning_zeromoe.discovery.find import discover
+from lightning_zeromoe.reference.models import MoEBlock, TinyMoEConfig, TinyMoELM
+from lightning_zeromoe.conversion.report import COMPARE_TOLERANCE
 
 
 class _Root(nn.Module):

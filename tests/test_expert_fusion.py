@@ -1,4 +1,4 @@
-"""``lightning_zeromoe.expert_fusion``: per-expert fusion equals transformers' whole-layer conversion.
+"""``lightning_zeromoe.loading.expert_fusion``: per-expert fusion equals transformers' whole-layer conversion.
 
 No processes: a ZeRO-3 partition is stood in for by a parameter carrying DeepSpeed's attributes
 (``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_status``) with rank 0's share, as DeepSpeed lays it out.
@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from lightning_zeromoe import expert_fusion
-from lightning_zeromoe.hf_loading import layer_groups
+from lightning_zeromoe.loading import expert_fusion
+from lightning_zeromoe.loading.hf_zero3 import layer_groups
 import hf_zoo  # tests/ is on sys.path (conftest)
 
 # Families whose checkpoints hold one tensor per expert (transformers' conversion fuses them) plus one

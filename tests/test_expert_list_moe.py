@@ -28,11 +28,11 @@ from torch import nn
 
 from expert_list_models import BLOCKS, HandMoELM, Top2MLP
 from jobs_util import JOBS, REPO, free_port, job_env
-from lightning_zeromoe.autoep_names import BlockNames, fuse_experts, own_expert_names, split_experts
-from lightning_zeromoe.discovery import MoEPattern, discover
-from lightning_zeromoe.discovery_types import FallbackBlock
-from lightning_zeromoe.expert_list import find_expert_list, identify_mlp
-from lightning_zeromoe.moe_structure import find_blocks
+from lightning_zeromoe.checkpoint.autoep_names import BlockNames, fuse_experts, own_expert_names, split_experts
+from lightning_zeromoe.discovery.find import MoEPattern, discover
+from lightning_zeromoe.discovery.result import FallbackBlock
+from lightning_zeromoe.discovery.expert_list import find_expert_list, identify_mlp
+from lightning_zeromoe.discovery.structure import find_blocks
 from troubleshooter import knowledge
 
 #: Relative per-step loss gap allowed against the plain run (the project's parity bound).
@@ -120,7 +120,7 @@ def test_a_router_module_around_its_projection_is_found():
 def test_the_conversion_probe_proves_what_was_read(make):
     """The setup-time probe builds AutoEP's layer from the section read off the block (module-list
     storage: AutoEP stacks the experts) and compares forward and backward: it must agree."""
-    from lightning_zeromoe.conversion_check import check_conversion
+    from lightning_zeromoe.conversion.check import check_conversion
 
     net = make()
     found, checks = check_conversion(net, discover(net))
@@ -224,7 +224,7 @@ def test_other_module_lists_are_not_experts():
             self.layers = nn.ModuleList(nn.TransformerEncoderLayer(16, 2, 32) for _ in range(2))
 
     assert find_blocks(Heads()) == [] and find_blocks(Decoder()) == []
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     tiny = discover(TinyMoELM(TinyMoEConfig()))
     assert tiny.source == "self-described" and all(b.layout.storage == "fused_3d" for b in tiny.blocks)

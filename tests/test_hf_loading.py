@@ -1,4 +1,4 @@
-"""Unit checks for ``lightning_zeromoe.hf_loading`` (no processes; the 2-rank path is tests/test_pretrained.py)."""
+"""Unit checks for ``lightning_zeromoe.loading.hf_zero3`` (no processes; the 2-rank path is tests/test_pretrained.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
-from lightning_zeromoe import hf_loading, memory_release
+from lightning_zeromoe.loading import hf_zero3 as hf_loading
+
+from lightning_zeromoe.loading import memory_release
 
 
 def test_every_private_name_it_relies_on_still_exists():
@@ -16,7 +18,7 @@ def test_every_private_name_it_relies_on_still_exists():
     for module_name, names in hf_loading.PRIVATE_NAMES.items():
         module = importlib.import_module(module_name)
         for name in names:
-            assert hasattr(module, name), f"{module_name}.{name} is gone: review lightning_zeromoe/hf_loading.py"
+            assert hasattr(module, name), f"{module_name}.{name} is gone: review lightning_zeromoe/loading/hf_zero3.py"
 
 
 def test_layer_groups_keep_one_layers_tensors_together():

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from hf_zoo import build
-from lightning_zeromoe.conversion_check import (
+from lightning_zeromoe.conversion.check import (
     ENTRY_ID, check_block, check_conversion, narrowed_config, register_fallback_leaves, tolerance_for)
-from lightning_zeromoe.discovery import Discovery, MoEPattern, discover, exact_pattern
-from lightning_zeromoe.hf_semantics import routing_from_config
-from lightning_zeromoe.moe_structure import find_blocks
+from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover, exact_pattern
+from lightning_zeromoe.discovery.hf_semantics import routing_from_config
+from lightning_zeromoe.discovery.structure import find_blocks
 
 
 class _Holder(nn.Module):

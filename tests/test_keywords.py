@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from lightning_zeromoe import ZeroMoEStrategy
-from lightning_zeromoe.keywords import CONFIG_ENV_VAR, MAPPED, OWN_PARAMETERS, PASSED_TO_LIGHTNING, REFUSED
-from lightning_zeromoe.models import TinyMoEModule
-from lightning_zeromoe.validation import ZeroMoEConfigError
+from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, MAPPED, OWN_PARAMETERS, PASSED_TO_LIGHTNING, REFUSED
+from lightning_zeromoe.reference.models import TinyMoEModule
+from lightning_zeromoe.config.validation import ZeroMoEConfigError
 
 
 @pytest.fixture(autouse=True)

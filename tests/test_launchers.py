@@ -51,7 +51,7 @@ def test_readme_demo_command_runs(tmp_path):
     assert "rank 1:" in out and "checkpoint saved" in out
     assert f"zeromoe-export {tmp_path / 'demo' / 'checkpoint'}" in out, "the demo should say how to export"
     assert (tmp_path / "demo" / "checkpoint" / "checkpoint").is_dir()
-    # A clean first run: none of the third-party notices lightning_zeromoe.notices names.
+    # A clean first run: none of the third-party notices lightning_zeromoe.engine.notices names.
     both = out + proc.stderr
     for noise in ("Failed to initialize NumPy", "litlogger", "LeafSpec", "`weights_only` was not set",
                   "deepspeed-zero-stage-3-single-file"):

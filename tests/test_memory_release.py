@@ -1,4 +1,4 @@
-"""``lightning_zeromoe.memory_release`` never throws away what this process wrote (issue 17).
+"""``lightning_zeromoe.loading.memory_release`` never throws away what this process wrote (issue 17).
 
 ``MADV_DONTNEED`` on a private file mapping drops the process's copy-on-write copies: a page that was
 written reads the file's bytes again afterwards. These tests write into real memory-mapped
@@ -21,8 +21,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from lightning_zeromoe import memory_release
-from lightning_zeromoe.memory_release import PAGE_FILE_OR_SHARED_ANON, PAGE_PRESENT, PAGE_SWAPPED, FilePages
+from lightning_zeromoe.loading import memory_release
+from lightning_zeromoe.loading.memory_release import PAGE_FILE_OR_SHARED_ANON, PAGE_PRESENT, PAGE_SWAPPED, FilePages
 
 pytestmark = pytest.mark.skipif(not memory_release.can_release_pages(),
                                 reason="pages are only released on Linux with /proc/self/pagemap and madvise")

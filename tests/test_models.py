@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM, lm_losses
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, lm_losses
 
 
 def test_experts_module_runs_once_per_forward_whatever_the_routing():

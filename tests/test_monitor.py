@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from jobs_util import read_ranks, run_job
-from lightning_zeromoe.monitor import REMEDIES, ExpertCollapseWarning, ExpertUtilizationMonitor, layer_stats
+from lightning_zeromoe.observe.monitor import REMEDIES, ExpertCollapseWarning, ExpertUtilizationMonitor, layer_stats
 from troubleshooter import knowledge
 
 LAYERS = ("model.layers.0.mlp", "model.layers.1.mlp")
@@ -125,7 +125,7 @@ def test_top1_dead_experts_warn_without_stopping_and_missing_aux_loss_is_named(t
     from lightning.pytorch.loggers import Logger
 
     from jobs.monitor_collapse import provoke_collapse
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 
     class MemoryLogger(Logger):
         """Keeps every log_metrics call the Trainer makes."""
@@ -198,7 +198,7 @@ def test_load_heatmaps_go_to_tensorboard_as_images_and_next_to_the_csv_as_png(tm
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from PIL import Image
 
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 
     L.seed_everything(0, verbose=False)
     module = TinyMoEModule(TinyMoEConfig(), batch_size=4, num_samples=48)

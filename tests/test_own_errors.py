@@ -18,11 +18,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zeromoe import MoEPattern, checkpoint, pitfalls
+from lightning_zeromoe import MoEPattern, checkpoint
+
+from lightning_zeromoe.engine import pitfalls
 from lightning_zeromoe.checkpoint.export import check_output, target_dtype
-from lightning_zeromoe.discovery import discover
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
-from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
+from lightning_zeromoe.discovery.find import discover
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 from claims_util import claims
 from test_pitfalls import MovesItself
 from test_validation import DenseModule, NativeMoEModule, prepared

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jobs_util import read_ranks, run_job
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, EPOCH_STEPS, BATCH, LR = 20, 10, 4, 3e-3
 #: fp32 everywhere; measured max relative difference 2.0e-7 over 20 steps (summation order in the experts).

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from jobs_util import JOBS, read_ranks, run_job
-from lightning_zeromoe import pitfalls
-from lightning_zeromoe.pitfalls import device_guard
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+from lightning_zeromoe.engine import pitfalls
+from lightning_zeromoe.engine.pitfalls import device_guard
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
 COUNT_KEYS = ("collective", "sync_gather", "on_demand", "auto_register")
 

@@ -125,7 +125,7 @@ def test_activation_estimate_is_korthikanti_without_the_mlp_term():
 
 def test_choose_stage_on_a_real_module():
     import torch
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     torch.manual_seed(0)
     model = TinyMoELM(TinyMoEConfig())  # ~200k params: 4 MB of fp32 weights
@@ -172,7 +172,7 @@ def _tiny_model():
     import torch
 
     from jobs.planner_states import MODEL
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     torch.manual_seed(0)
     return TinyMoELM(TinyMoEConfig(**MODEL))
@@ -218,7 +218,7 @@ def test_activation_estimate_against_saved_tensors_of_the_tiny_model():
     per storage, parameters excluded) against the estimate. Measured ratios: 0.72-0.76 (the
     estimate leaves out the router softmax/one-hot of the aux loss and the MoE gather copies)."""
     import torch
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM, lm_losses
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, lm_losses
 
     torch.manual_seed(0)
     for b, s, h, f, k in [(4, 32, 64, 96, 2), (2, 256, 256, 512, 1)]:
@@ -261,7 +261,7 @@ def test_planner_bf16_matches_what_each_rank_holds_and_the_step_peak(measured_bf
     import torch
 
     from jobs.planner_states import model_dims
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     precision, ranks = measured_bf16
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ A fresh interpreter first takes away what Windows lacks: the ``fcntl`` module
 module for this project's own imports, and ``ctypes.CDLL(None)`` (the process's own C library;
 Windows raises ``TypeError``). Then it imports every module of
 ``lightning_zeromoe`` and ``troubleshooter`` found by ``pkgutil.walk_packages`` and calls
-``lightning_zeromoe.memory_release``'s entry points, which must do nothing. ``sys.platform`` is
+``lightning_zeromoe.loading.memory_release``'s entry points, which must do nothing. ``sys.platform`` is
 set to ``"win32"`` only for those calls, after the imports: torch and other libraries read it
 while importing to decide how to load their DLLs, which is not what this test is about.
 """
@@ -88,7 +88,7 @@ for package in PACKAGES:
 
 def entry_points():
     import torch
-    from lightning_zeromoe import memory_release
+    from lightning_zeromoe.loading import memory_release
 
     out = {"can_release_pages": memory_release.can_release_pages()}
     tensor = torch.ones(1 << 18)
@@ -176,7 +176,7 @@ def test_import_error_blames_the_failing_package():
 def test_the_walk_finds_every_module_on_disk(windows_like):
     """Every module on disk was reached by pkgutil.walk_packages, or sits in a package that failed
     (which the walk cannot look into; that package's own test fails)."""
-    assert len(ALL_MODULES) > 50 and "lightning_zeromoe.memory_release" in ALL_MODULES
+    assert len(ALL_MODULES) > 50 and "lightning_zeromoe.loading.memory_release" in ALL_MODULES
     imports = windows_like["imports"]
     unreached = [m for m in ALL_MODULES if m not in imports and not import_error(imports, m).startswith("not reached: ")]
     assert unreached == []

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from jobs_util import read_ranks, run_job
-from lightning_zeromoe.models import SyntheticLMData
+from lightning_zeromoe.reference.models import SyntheticLMData
 
 STEPS, ACCUMULATE, BATCH, AUDIT, LR, SEQ_LEN = 3, 2, 2, 2, 3e-3, 17
 #: fp32 on both sides; the remaining difference is summation order in the experts and the all-reduce.

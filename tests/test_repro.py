@@ -42,7 +42,7 @@ def run_all_reproductions_side_by_side():
 
 def test_importing_repro_is_light():
     code = ("import sys, troubleshooter.repro as r; r.OOM_LADDER; "
-            "print([m for m in ('torch', 'deepspeed', 'lightning', 'lightning_zeromoe.models') if m in sys.modules])")
+            "print([m for m in ('torch', 'deepspeed', 'lightning', 'lightning_zeromoe.reference.models') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

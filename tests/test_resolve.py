@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from lightning_zeromoe import ZeroMoEStrategy
-from lightning_zeromoe.config import ZeroOptions
-from lightning_zeromoe.discovery import discover
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
-from lightning_zeromoe.resolve import (World, check_offload_optimizer, effective_ep_size, effective_grouped_experts,
+from lightning_zeromoe.config.deepspeed import ZeroOptions
+from lightning_zeromoe.discovery.find import discover
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.config.resolve import (World, check_offload_optimizer, effective_ep_size, effective_grouped_experts,
                                        grouped_mm_applies, inference_config, resolve, zero_init_config)
-from lightning_zeromoe.validation import ZeroMoEConfigError
+from lightning_zeromoe.config.validation import ZeroMoEConfigError
 from troubleshooter import knowledge
 
 WORLD = World(world_size=4, devices_per_node=4, on_cpu=True)

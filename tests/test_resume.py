@@ -30,8 +30,9 @@ import pytest
 import torch
 
 from jobs_util import JOBS, read_ranks, run, run_job
-from lightning_zeromoe import autoep_names, resume
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
+from lightning_zeromoe.checkpoint import autoep_names
+from lightning_zeromoe.checkpoint.resume import reshape as resume
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, EPOCH_STEPS, GLOBAL_BATCH, LR, SAVED_AT = 10, 5, 8, 3e-3, 5
 #: fp32 everywhere. Measured max relative difference against the single-process run: 1.4e-7

@@ -18,7 +18,7 @@ import torch
 
 from troubleshooter import knowledge
 from jobs_util import JOBS, job_env, read_ranks, run, run_job
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, BATCH, LR, WARMUP, CLIP = 6, 4, 3e-3, 3, 0.05
 RUNS = ("s2_sched", "auto", "accum_clip", "bf16_true", "bf16_mixed", "s3_val", "native_s1", "native_s2", "grouped")

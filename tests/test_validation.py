@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from lightning_zeromoe import MoEPattern, ZeroMoEStrategy
-from lightning_zeromoe.discovery import discover
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
-from lightning_zeromoe.validation import Layout, ZeroMoEConfigError, check_layout
+from lightning_zeromoe.discovery.find import discover
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_layout
 
 
 def prepared(module: L.LightningModule, devices: int = 2, num_nodes: int = 1, **kwargs) -> ZeroMoEStrategy:

@@ -124,7 +124,7 @@ def test_router_walkthrough_try_it_shows_collapse_then_balance():
     assert len(bars.patches) == 2 * 8 and "<img" in walk.try_output.value
     walk.next_button.click()  # step 3: bias balancing alone fixes it, the task loss shown beside
     diff = html.unescape(walk.patch_view.value)
-    assert "+from lightning_zeromoe.balancing import ExpertBiasBalancer" in diff and "score_bias=True" in diff
+    assert "+from lightning_zeromoe.balance.balancer import ExpertBiasBalancer" in diff and "score_bias=True" in diff
     assert "[bias-balancing]" not in walk.what.value and "ExpertBiasBalancer(update_rate=1e-3)" in walk.what.value
     walk.try_button.click()
     before, after = walk.tries[2].before, walk.tries[2].after

@@ -19,7 +19,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from lightning_zeromoe.autoep_names import BlockNames, block_names, names_for, own_name
+from lightning_zeromoe.checkpoint.autoep_names import BlockNames, block_names, names_for, own_name
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
 from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe._private import torch as torch_private

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM, capture_router_logits
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, capture_router_logits
 
 #: The parameter PitfallLM's root forward reads from another module (a functional use).
 FUNCTIONAL_PARAM = "layers.0.attn.out.weight"

@@ -49,7 +49,7 @@ CASES = ("tiny_ep2", "tiny_ep1", "tiny_resume", *(f"{f}:{e}" for f in HF for e i
 
 
 def tiny_config() -> Any:
-    from lightning_zeromoe.models import TinyMoEConfig
+    from lightning_zeromoe.reference.models import TinyMoEConfig
 
     return TinyMoEConfig(score_bias=True, aux_loss_weight=AUX_WEIGHT, z_loss_weight=Z_WEIGHT)
 
@@ -86,7 +86,7 @@ def tiny_module(seed: int) -> Any:
     import lightning as L
     import torch
 
-    from lightning_zeromoe.models import TinyMoEModule
+    from lightning_zeromoe.reference.models import TinyMoEModule
 
     class Recorded(TinyMoEModule):  # type: ignore[misc, valid-type]
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -101,7 +101,7 @@ def tiny_module(seed: int) -> Any:
 
 
 def run_tiny(case: str, out: Path) -> dict[str, Any]:
-    from lightning_zeromoe.balancing import ExpertBiasBalancer
+    from lightning_zeromoe.balance.balancer import ExpertBiasBalancer
 
     ckpt = out / "tiny_ep2.ckpt"
     balancer = ExpertBiasBalancer(update_rate=RATE, check_every_n_steps=2)
@@ -132,8 +132,8 @@ def run_hf(family: str, ep: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from hf_zoo import VOCAB, build
-    from lightning_zeromoe.balancing import ExpertBiasBalancer, router_z_loss
-    from lightning_zeromoe.models import SyntheticLMData
+    from lightning_zeromoe.balance.balancer import ExpertBiasBalancer, router_z_loss
+    from lightning_zeromoe.reference.models import SyntheticLMData
 
     class HFModule(L.LightningModule):
         def __init__(self) -> None:
@@ -175,7 +175,7 @@ def run_diverged() -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from lightning_zeromoe.balancing import BiasBalancingError, ExpertBiasBalancer
+    from lightning_zeromoe.balance.balancer import BiasBalancingError, ExpertBiasBalancer
 
     balancer = ExpertBiasBalancer(update_rate=RATE, check_every_n_steps=2)
 
@@ -200,7 +200,7 @@ def reference(per_rank: list[list[list[int]]]) -> dict[str, Any]:
     import lightning as L
     import torch
 
-    from lightning_zeromoe.models import SyntheticLMData, TinyMoELM, lm_loss_terms
+    from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoELM, lm_loss_terms
 
     L.seed_everything(0, verbose=False)
     config = tiny_config()

@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import TinyMoEModule  # noqa: E402
+from lightning_zeromoe.reference.models import TinyMoEModule  # noqa: E402
 
 STEPS = 2
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.save_checkpoint(args.disk_full)
     else:
         if args.mode == "resume-killed" and rank == 0:
-            from lightning_zeromoe import universal_names
+            from lightning_zeromoe.checkpoint.resume import universal_names
 
             _kill_self_on(universal_names, "_copytree_atomic", after=1)
         trainer = _trainer(1, STEPS + 1)

@@ -83,7 +83,7 @@ def batch_error(config: dict) -> str:
 def device_move() -> str:
     from torch import nn
 
-    from lightning_zeromoe.pitfalls import DeviceMoveGuard, ZeroDeviceMoveError
+    from lightning_zeromoe.engine.pitfalls import DeviceMoveGuard, ZeroDeviceMoveError
 
     class Net(nn.Module):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""One rank of the 2-rank check of ``lightning_zeromoe.collectives`` (run by tests/test_collectives.py).
+"""One rank of the 2-rank check of ``lightning_zeromoe.engine.collectives`` (run by tests/test_collectives.py).
 
 For each backend string in ``--backends`` (one free port each, from ``--ports``) the rank joins a
 2-rank group over TCP on 127.0.0.1, calls every wrapper and two of the package's real call sites
@@ -31,9 +31,9 @@ def run_checks(rank: int) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_zeromoe import collectives
-    from lightning_zeromoe.conversion_check import _agree_over_ranks
-    from lightning_zeromoe.telemetry import global_counts
+    from lightning_zeromoe.engine import collectives
+    from lightning_zeromoe.conversion.check import _agree_over_ranks
+    from lightning_zeromoe.observe.telemetry import global_counts
 
     out: dict = {"backend": str(dist.get_backend()), "device": str(collectives.backend_device()),
                  "initialized": collectives.is_initialized()}
@@ -88,9 +88,9 @@ def run_single_gpu_checks() -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_zeromoe import collectives
-    from lightning_zeromoe.conversion_check import _agree_over_ranks
-    from lightning_zeromoe.telemetry import global_counts
+    from lightning_zeromoe.engine import collectives
+    from lightning_zeromoe.conversion.check import _agree_over_ranks
+    from lightning_zeromoe.observe.telemetry import global_counts
 
     out: dict = {"backend": str(dist.get_backend()), "device": str(collectives.backend_device())}
     try:

@@ -42,7 +42,7 @@ for extra in (REPO, REPO / "tests"):
 
 from expert_list_models import VOCAB, HandMoELM, Skew  # noqa: E402
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 
 SEQ_LEN = 9
 BATCH = 2

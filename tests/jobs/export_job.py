@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoEModule  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoEModule  # noqa: E402
 
 VOCAB, SEQ = 128, 17
 

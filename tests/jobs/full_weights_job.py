@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from lightning.pytorch.strategies import DeepSpeedStrategy  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule  # noqa: E402
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule  # noqa: E402
 
 PLAIN_STEPS = 3
 
@@ -45,7 +45,7 @@ class Holdings(L.Callback):
     def on_train_start(self, trainer, module) -> None:
         import deepspeed
 
-        from lightning_zeromoe.autoep_names import autoep_layers, local_experts
+        from lightning_zeromoe.checkpoint.autoep_names import autoep_layers, local_experts
 
         engine_module = trainer.strategy.deepspeed_engine.module
         params = dict(engine_module.named_parameters())

@@ -44,7 +44,7 @@ for extra in (REPO, REPO / "tests"):
 
 from hf_zoo import ARCHS, VOCAB, build  # noqa: E402
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 
 SEQ_LEN = 9
 BATCH = 2
@@ -66,7 +66,7 @@ def skew_routers(net: torch.nn.Module, rank: int) -> int:
     rank-dependent offset to the router logits (a forward hook on each router module that, for
     routers returning ``(logits, weights, indices)``, also re-selects the top-k from the skewed
     logits). Returns the number of routers hooked."""
-    from lightning_zeromoe.moe_structure import find_blocks
+    from lightning_zeromoe.discovery.structure import find_blocks
 
     hooked = 0
     for layout in find_blocks(net):

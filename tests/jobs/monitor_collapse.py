@@ -46,8 +46,8 @@ def run_case(name: str, out: Path, *, aux_weight: float, collapse: bool) -> dict
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_zeromoe import ZeroMoEStrategy
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule
-    from lightning_zeromoe.monitor import ExpertCollapseWarning, ExpertUtilizationMonitor
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
+    from lightning_zeromoe.observe.monitor import ExpertCollapseWarning, ExpertUtilizationMonitor
 
     L.seed_everything(0, verbose=False)
     world = int(os.environ["WORLD_SIZE"])

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zeromoe.models import SyntheticLMData
+from lightning_zeromoe.reference.models import SyntheticLMData
 
 VOCAB, HIDDEN, EXPERTS, SEQ = 128, 32, 4, 17
 AUX_WEIGHT, BATCH = 0.01, 4

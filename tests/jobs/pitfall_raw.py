@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM  # noqa: E402
-from lightning_zeromoe.pitfalls import register_shared_parameters  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM  # noqa: E402
+from lightning_zeromoe.engine.pitfalls import register_shared_parameters  # noqa: E402
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}

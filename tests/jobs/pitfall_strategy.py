@@ -26,7 +26,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule  # noqa: E402
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule  # noqa: E402
 
 MOVES = [("to", ("cpu",)), ("float", ()), ("half", ()), ("to", ("meta",)), ("cuda", ())]
 

@@ -3,7 +3,7 @@
 Launched once per world size (``torchrun --nproc_per_node N``, or plain ``python`` for N = 1,
 which then starts torchrun itself). In one process group it builds a fresh tiny MoE model and a
 raw DeepSpeed engine for every requested (stage, ep_size) pair, runs one fp32 training step, and
-records ``lightning_zeromoe.telemetry.state_bytes(engine)`` twice: right after ``backward`` (when
+records ``lightning_zeromoe.observe.telemetry.state_bytes(engine)`` twice: right after ``backward`` (when
 the gradient partitions are what stages 1 and 2 hold) and after ``step`` (when the Adam states
 exist; Adam creates them lazily at the first step). Raw DeepSpeed rather than Lightning: each
 Lightning launch would re-import Lightning in every rank, and 4 ranks share 2 cores.
@@ -40,11 +40,11 @@ MODEL = dict(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_expe
 
 
 def engine_config(stage: int, ep_size: int, model, precision: str = "32-true") -> dict:
-    from lightning_zeromoe.config import ZeroOptions, build_config
+    from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config
 
     # param_persistence_threshold=0: ZeRO-3 partitions every parameter (no small-tensor exception).
     opts = ZeroOptions(stage=stage, ep_size=ep_size, param_persistence_threshold=0)
-    from lightning_zeromoe.discovery import discover
+    from lightning_zeromoe.discovery.find import discover
 
     # The same block description the strategy would hand AutoEP (rooted at the model itself).
     locate = discover(model, None).autoep if ep_size > 1 else None
@@ -76,8 +76,8 @@ def measure(stage: int, ep_size: int, precision: str = "32-true", scale: int = 1
     import torch
     import torch.nn.functional as F
 
-    from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM, load_balancing_loss
-    from lightning_zeromoe.telemetry import state_bytes
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, load_balancing_loss
+    from lightning_zeromoe.observe.telemetry import state_bytes
 
     torch.manual_seed(0)
     dims = model_dims(scale)

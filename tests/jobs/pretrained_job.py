@@ -10,9 +10,9 @@ Recorded per rank, from the live objects:
 * ``load``: right after ``from_pretrained`` returned inside ``configure_model``: for every
   parameter its full element count (``ds_numel``), the elements this rank stores (its ZeRO-3
   partition, ``ds_tensor``) and the elements materialised in ``param.data`` (0 when partitioned);
-  the largest partition :func:`lightning_zeromoe.hf_loading.copy_into_partition` copied into; and how
+  the largest partition :func:`lightning_zeromoe.loading.hf_zero3.copy_into_partition` copied into; and how
   many experts' rows of fused expert tensors there were and how many this rank converted
-  (:mod:`lightning_zeromoe.expert_fusion`).
+  (:mod:`lightning_zeromoe.loading.expert_fusion`).
 * ``steps``: per micro-batch, the sample indices this rank trained on and its loss.
 * ``audit``: how many optimizer steps the gradient audit counted, and at which micro-batch
   (``batch_idx``) it produced its report.
@@ -37,8 +37,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe import hf_loading  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData  # noqa: E402
+from lightning_zeromoe.loading import hf_zero3 as hf_loading  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 
 SEQ_LEN, LR = 17, 3e-3
 

@@ -23,7 +23,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import TinyMoEModule  # noqa: E402
+from lightning_zeromoe.reference.models import TinyMoEModule  # noqa: E402
 
 
 class DieOnRank(L.Callback):

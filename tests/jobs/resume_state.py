@@ -37,7 +37,7 @@ for extra in (REPO, REPO / "tests"):
 
 from hf_zoo import VOCAB, build  # noqa: E402
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 
 ARCH = "deepseek_v3"
 FROZEN_NOW = os.environ.get("RESUME_STATE_FROZEN", "net.model.embed_tokens.weight")

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from native_moe import NativeMoEModule  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoEModule, lm_losses  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoEModule, lm_losses  # noqa: E402
 
 BATCH, LR, WARMUP = 4, 3e-3, 3
 VAL_SAMPLES = 16

@@ -30,7 +30,7 @@ loss is right. Qwen3.5-MoE gets softmax *probabilities* (AutoEP's Qwen3.5 adapte
 nearly flat (``router_logits_kind: softmax``). DeepSeek-V2/V3 return router logits without
 AutoEP and none with it (their adapter does not retarget HF's recorder); HF computes no aux
 loss for them either way. That was DeepSpeed alone: the strategy's bridge
-(``lightning_zeromoe.conversion_check.restore_router_logits``) now hands Qwen3.5-MoE raw logits and
+(``lightning_zeromoe.conversion.check.restore_router_logits``) now hands Qwen3.5-MoE raw logits and
 records DeepSeek-V2/V3's again (checked for every family by ``tests/test_hf_coverage.py``). The
 test runs the first two families only.
 
@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 
 VOCAB = 128
 SEQ_LEN = 17  # 16 positions of next-token prediction per sequence

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 import lightning as L  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.models import TinyMoEConfig, TinyMoEModule  # noqa: E402
+from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule  # noqa: E402
 
 
 class Recorder(L.Callback):

@@ -14,7 +14,7 @@ imported inside the functions, or in the child processes that run them.
 * :func:`native_moe_zero3` - ``deepspeed.moe.layer.MoE`` under ZeRO-3: DeepSpeed's own refusal,
   then the fix really training.
 * :func:`tied_weights`, :func:`stale_param_copy`, :func:`device_move` - ZeRO-3 pitfalls on 2 CPU
-  ranks: what plain DeepSpeed shows, then what ``lightning_zeromoe.pitfalls`` reports or stops.
+  ranks: what plain DeepSpeed shows, then what ``lightning_zeromoe.engine.pitfalls`` reports or stops.
 * :func:`collective_timeout` - a rank waits on a DeepSpeed-style expert group far past the world
   timeout; with ``ZeroMoEStrategy``'s fix it times out when it should.
 """

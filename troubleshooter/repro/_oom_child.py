@@ -37,7 +37,7 @@ def run_rung(spec: dict) -> dict:
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_zeromoe.models import (SyntheticLMData, TinyMoEConfig, TinyMoELM, capture_router_logits,
+    from lightning_zeromoe.reference.models import (SyntheticLMData, TinyMoEConfig, TinyMoELM, capture_router_logits,
                                           load_balancing_loss)
 
     torch.manual_seed(spec["seed"])
@@ -107,7 +107,7 @@ def main(spec: dict) -> None:
 
     import torch
 
-    import lightning_zeromoe.models  # noqa: F401 - imported before forking, once
+    import lightning_zeromoe.reference.models  # noqa: F401 - imported before forking, once
 
     torch.set_num_threads(1)  # no OpenMP pool exists before the forks: forking is safe
     for rung in spec["rungs"]:

@@ -1,4 +1,4 @@
-"""The three ZeRO-3 pitfalls on 2 CPU ranks: plain DeepSpeed first, then ``lightning_zeromoe.pitfalls``.
+"""The three ZeRO-3 pitfalls on 2 CPU ranks: plain DeepSpeed first, then ``lightning_zeromoe.engine.pitfalls``.
 
 Started twice by :func:`troubleshooter.repro.pitfalls.run_all` (RANK 0 and 1, env rendezvous,
 gloo, DeepSpeed's CPU accelerator). Every case is run on both ranks, because ZeRO-3 needs both
@@ -24,8 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_zeromoe import collectives  # noqa: E402
-from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM  # noqa: E402
+from lightning_zeromoe.engine import collectives  # noqa: E402
+from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM  # noqa: E402
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -58,7 +58,7 @@ def error_text(err: BaseException) -> str:
 
 
 def tied_case() -> None:
-    from lightning_zeromoe.models import MoEBlock
+    from lightning_zeromoe.reference.models import MoEBlock
 
     data = SyntheticLMData(64, 17, 128, seed=0)
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def tied_case() -> None:
     except Exception as err:  # noqa: BLE001 - the failure is the result
         outside = error_text(err)
     # Handled: what the strategy checks, and the documented way to use the weight outside forward.
-    from lightning_zeromoe.pitfalls import broken_ties, describe_sharing, find_tied_parameters
+    from lightning_zeromoe.engine.pitfalls import broken_ties, describe_sharing, find_tied_parameters
 
     tied = find_tied_parameters(root)
     with deepspeed.zero.GatheredParameters([root.embed.weight]):
@@ -144,7 +144,7 @@ def train(engine, audit=None) -> list[float]:
 
 
 def stale_case() -> None:
-    from lightning_zeromoe.pitfalls import GradAudit
+    from lightning_zeromoe.engine.pitfalls import GradAudit
 
     torch.manual_seed(0)
     engine = engine_for(StaleNet())
@@ -183,7 +183,7 @@ class CastingNet(nn.Module):
 
 
 def device_case() -> None:
-    from lightning_zeromoe.pitfalls import DeviceMoveGuard
+    from lightning_zeromoe.engine.pitfalls import DeviceMoveGuard
 
     torch.manual_seed(0)
     engine = engine_for(CastingNet())

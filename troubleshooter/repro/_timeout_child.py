@@ -30,13 +30,13 @@ def main() -> None:
     # A generous rendezvous, then the short timeout the user asked for on the world group.
     dist.init_process_group("gloo", rank=args.rank, world_size=2, timeout=timedelta(seconds=120))
     timeout = timedelta(seconds=args.timeout)
-    from lightning_zeromoe import collectives
+    from lightning_zeromoe.engine import collectives
     from lightning_zeromoe._private.torch import default_group, group_timeout, set_group_timeout
 
     set_group_timeout(timeout, default_group())
     expert_group = dist.new_group([0, 1])  # what deepspeed/utils/groups.py does
     if args.fix:
-        from lightning_zeromoe.processes import apply_timeout_to_all_groups
+        from lightning_zeromoe.engine.processes import apply_timeout_to_all_groups
 
         apply_timeout_to_all_groups(timeout)
     collectives.barrier()

@@ -2,7 +2,7 @@
 
 For each pitfall the child (``_pitfalls_child``, two ranks, gloo) first trains the trap under plain
 DeepSpeed and records what the user would see; then it applies what ``ZeroMoEStrategy`` applies
-(``lightning_zeromoe.pitfalls``: tie detection, the gradient audit, the device-move guard) and
+(``lightning_zeromoe.engine.pitfalls``: tie detection, the gradient audit, the device-move guard) and
 records that. What plain DeepSpeed 0.19.8 shows is often *nothing*, and that is the finding:
 
 * tied embedding / lm_head: training is correct (each module holding the weight gathers it);
@@ -88,14 +88,14 @@ class PitfallResult:
     def __repr__(self) -> str:
         lines = [f"{self.name}: {self.summary_line}", "  plain DeepSpeed:"]
         lines += [f"    {k}: {v}" for k, v in self.before.items()]
-        lines += ["  with lightning_zeromoe.pitfalls:"] + [f"    {k}: {v}" for k, v in self.after.items()]
+        lines += ["  with lightning_zeromoe.engine.pitfalls:"] + [f"    {k}: {v}" for k, v in self.after.items()]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         keys = list(dict.fromkeys([*self.before, *self.after]))
         rows = [[k, self.before.get(k, "-"), self.after.get(k, "-")] for k in keys]
         return (f"<b>{self.name}</b>: {self.summary_line}"
-                + html_table(["", "plain DeepSpeed (ZeRO-3, 2 ranks)", "with lightning_zeromoe.pitfalls"], rows))
+                + html_table(["", "plain DeepSpeed (ZeRO-3, 2 ranks)", "with lightning_zeromoe.engine.pitfalls"], rows))
 
 
 def _check(record: dict, name: str) -> dict:

@@ -12,7 +12,7 @@ the remedies are the knowledge base's fixes of entry ``router-collapse``:
 * **no remedy** (no aux loss): the busiest expert passes 50% of tokens and stays there;
 * **aux loss** (``add-aux-loss``, 0.01);
 * **bias balancing** (``bias-balancing``): ``TinyMoEConfig(score_bias=True)``, no aux loss, and
-  after each step the sign rule of :func:`lightning_zeromoe.balance_rules.bias_update` (what
+  after each step the sign rule of :func:`lightning_zeromoe.balance.rules.bias_update` (what
   ``ExpertBiasBalancer`` applies) with rate :data:`BIAS_RATE`;
 * **z-loss** (``router-z-loss``, 1e-3), no aux loss;
 * **the fix** of the router-init step (``check-router-init`` with ``add-aux-loss``): aux loss 0.01 and
@@ -92,7 +92,7 @@ def balancer_source(rate: float | None = None) -> str:
     the walkthrough diffs the two."""
     if rate is None:
         return config_source(0.0) + "trainer = L.Trainer(strategy=ZeroMoEStrategy(ep_size=2), callbacks=[])\n"
-    return ("from lightning_zeromoe.balancing import ExpertBiasBalancer\n\n" + config_source(0.0, score_bias=True)
+    return ("from lightning_zeromoe.balance.balancer import ExpertBiasBalancer\n\n" + config_source(0.0, score_bias=True)
             + f"trainer = L.Trainer(strategy=ZeroMoEStrategy(ep_size=2), callbacks=[ExpertBiasBalancer(update_rate={rate:g})])\n")
 
 
@@ -113,8 +113,8 @@ def train_shares(aux_loss_weight: float, *, extreme_init: bool = True, steps: in
         return _RUNS[key]
     import torch
 
-    from lightning_zeromoe.balance_rules import bias_update
-    from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_loss_terms
+    from lightning_zeromoe.balance.rules import bias_update
+    from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_loss_terms
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -42,7 +42,7 @@ def scan_forward_sources(model: Any = None) -> Outcome:
 
     example = model is None
     if model is None:
-        from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+        from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
         model = TinyMoELM(TinyMoEConfig())
     pattern = re.compile(r"\.(to|cuda|cpu|half|float|bfloat16|double)\(|\.data\b")
@@ -61,7 +61,7 @@ def scan_forward_sources(model: Any = None) -> Outcome:
                 found.append(f"{cls.__name__}.forward line {start + offset}: {line.strip()}")
     tied = []
     try:
-        from lightning_zeromoe.pitfalls import find_tied_parameters
+        from lightning_zeromoe.engine.pitfalls import find_tied_parameters
 
         tied = [" = ".join(t.paths) for t in find_tied_parameters(model)]
     except ImportError:

@@ -29,7 +29,7 @@ def pitfalls_walkthrough(model: Any = None, context: UserContext | None = None) 
     def tied_check() -> Outcome:
         if model is not None:
             return scan_forward_sources(model)
-        from lightning_zeromoe.models import TinyMoEConfig, TinyMoELM
+        from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
         outcome = scan_forward_sources(TinyMoELM(TinyMoEConfig(tie_embeddings=True)))
         outcome.headline = outcome.headline.replace("the example tiny MoE", "the example tiny MoE (tied head)")

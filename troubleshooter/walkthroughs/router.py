@@ -66,7 +66,7 @@ def router_walkthrough(steps_: int | None = None, context: UserContext | None = 
         Step("Measure the expert shares", "router-collapse", ("log-expert-load",), "Measure routing (example)",
              measure,
              lambda: text_diff("trainer.fit(module)\n",
-                               "from lightning_zeromoe.telemetry import expert_shares, global_counts\n\n"
+                               "from lightning_zeromoe.observe.telemetry import expert_shares, global_counts\n\n"
                                "trainer.fit(module)\nfor layer, counts in global_counts(module).items():\n"
                                "    print(layer, [f\"{s:.0%}\" for s in expert_shares(counts)])\n"),
              try_unavailable="This step measures; the next ones rerun the example with each fix."),

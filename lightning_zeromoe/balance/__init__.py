@@ -1,0 +1,1 @@
+"""Keeping experts balanced: the bias balancer and its update rule."""

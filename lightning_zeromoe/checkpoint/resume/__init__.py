@@ -1,0 +1,1 @@
+"""Resuming a checkpoint, on the same or another shape."""

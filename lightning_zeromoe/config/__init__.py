@@ -1,0 +1,1 @@
+"""Options to a resolved, checked DeepSpeed config: sections, keywords, validation."""

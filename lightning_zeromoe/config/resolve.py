@@ -1,0 +1,248 @@
+"""One pass from (options, Lightning keywords, user config, model description, world) to the config.
+
+The strategy calls :func:`resolve` once, in ``setup`` (after ``configure_model``, when the model
+exists). Every check reads the **merged** config, so what a user writes in ``config=`` is what is
+checked and used:
+
+* the ZeRO stage is ``zero_optimization.stage`` of the merged config (the user's value wins over
+  ``stage=`` and over ``stage="auto"``), decided in :func:`effective_stage` only;
+* the expert-parallel size is ``expert_parallel.autoep_size`` when the user sets it, and a user
+  ``expert_parallel.enabled: false`` together with ``ep_size > 1`` is refused, never silently
+  applied (:func:`effective_ep_size`);
+* AutoEP's layer without expert parallelism (``grouped_experts=True``, or a user section with
+  ``enabled: true`` at ``autoep_size`` 1) is decided in :func:`effective_grouped_experts`, which
+  refuses the contradictions (``enabled: false``, ``use_grouped_mm: false``).
+
+Pure: numbers, dicts and the discovery result in; a typed :class:`ResolvedConfig` out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config, zero_stage
+from lightning_zeromoe.discovery.find import Discovery
+from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
+
+
+@dataclass(frozen=True)
+class World:
+    """What Lightning will launch, and how it computes."""
+
+    world_size: int
+    devices_per_node: int
+    on_cpu: bool
+    precision: str = "32-true"
+    accumulate_grad_batches: int = 1
+
+
+@dataclass
+class ResolvedConfig:
+    """The merged DeepSpeed config and the facts the strategy reads from it."""
+
+    config: dict[str, Any]
+    stage: int
+    ep_size: int
+    #: AutoEP's layer at ep_size=1 (``grouped_experts``; see :func:`effective_grouped_experts`).
+    grouped_experts: bool = False
+    #: Validation warnings (rank 0 warns each once).
+    warnings: list[str] = field(default_factory=list)
+    #: Info lines: overrides from the user's config, the stage choice.
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether AutoEP converts blocks (with ``ep_size > 1`` or ``grouped_experts``)."""
+        section = self.config.get("expert_parallel") or {}
+        return bool(section.get("enabled", False))
+
+
+def user_section(user: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
+    section = (user or {}).get(name)
+    return section if isinstance(section, Mapping) else {}
+
+
+def effective_ep_size(ep_size: int, user: Mapping[str, Any] | None) -> int:
+    """The expert-parallel size the merged config will have. Needs no model: also used at launch."""
+    section = user_section(user, "expert_parallel")
+    if section.get("enabled") is False:
+        if ep_size > 1:
+            raise ZeroMoEConfigError(
+                f"[ep-disabled-by-config] ZeroMoEStrategy(ep_size={ep_size}) asks for expert parallelism, but your "
+                "DeepSpeed config sets expert_parallel.enabled: false. Choose one: drop the expert_parallel "
+                "section from the config to train with ep_size experts groups, or pass ep_size=1 to train "
+                "without expert parallelism.")
+        return 1
+    if "autoep_size" in section:
+        size = section["autoep_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ZeroMoEConfigError(
+                f"[merged-config-invalid] expert_parallel.autoep_size={size!r} in your config must be a positive "
+                "integer (or remove it and pass ZeroMoEStrategy(ep_size=...)).")
+        return size
+    return ep_size
+
+
+def effective_grouped_experts(grouped_experts: bool, ep_size: int, user: Mapping[str, Any] | None) -> bool:
+    """Whether the blocks get AutoEP's layer at ``ep_size`` 1. Needs no model: also used at construction.
+
+    True with ``grouped_experts=True``, or when the user's own section says ``enabled: true`` while
+    the effective ``autoep_size`` is 1 (what AutoEP does with that section). Refused: asking for it
+    while the section says ``enabled: false`` (AutoEP would be skipped) or ``use_grouped_mm: false``
+    (the grouped GEMM it is asked for would be switched off).
+    """
+    section = user_section(user, "expert_parallel")
+    if grouped_experts and section.get("enabled") is False:
+        raise ZeroMoEConfigError(
+            f"[ep-disabled-by-config] ZeroMoEStrategy(ep_size={ep_size}, grouped_experts=True) asks for AutoEP's "
+            "grouped-experts layer, but your DeepSpeed config sets expert_parallel.enabled: false, which skips "
+            "AutoEP. Choose one: drop expert_parallel.enabled from the config, or pass grouped_experts=False to "
+            "train the blocks as they are.")
+    if grouped_experts and section.get("use_grouped_mm") is False:
+        raise ZeroMoEConfigError(
+            "[merged-config-invalid] expert_parallel.use_grouped_mm=false in your config contradicts "
+            "ZeroMoEStrategy(grouped_experts=True), which exists to run the experts as one grouped GEMM. Remove "
+            "use_grouped_mm from the config (the strategy turns it on where torch's grouped GEMM runs: bf16 on "
+            "CUDA), or pass grouped_experts=False.")
+    return grouped_experts or (ep_size == 1 and section.get("enabled") is True)
+
+
+def effective_stage(stage: int, auto: bool, user: Mapping[str, Any] | None,
+                    choose: Callable[[], tuple[int, str]] | None) -> tuple[int, str | None]:
+    """The one ZeRO stage: the user's ``zero_optimization.stage``, else ``stage=``, else the planner's.
+
+    ``choose`` runs the memory planner (``stage="auto"``); it is only called when needed. Returns
+    the stage and a line saying why, when there is something to say.
+    """
+    user_stage = user_section(user, "zero_optimization").get("stage")
+    if user_stage is not None:
+        if user_stage not in (0, 1, 2, 3):
+            raise ZeroMoEConfigError(
+                f"[merged-config-invalid] zero_optimization.stage={user_stage!r} in your config is not a ZeRO stage; "
+                "use 0, 1, 2 or 3 (or remove it and pass ZeroMoEStrategy(stage=...)).")
+        why = f"ZeroMoEStrategy: zero_optimization.stage={user_stage} from your config"
+        return int(user_stage), why + (" (stage='auto' not consulted)" if auto else "")
+    if auto and choose is not None:
+        chosen, reason = choose()
+        return chosen, f"ZeroMoEStrategy(stage='auto'): {reason}"
+    return stage, None
+
+
+def grouped_mm_applies(on_cpu: bool, precision: str) -> bool:
+    """Whether AutoEP's grouped-GEMM path can run: ``torch._grouped_mm`` takes bf16 on CUDA only.
+
+    torch 2.13's ``_meta_grouped_mm_common`` (mirroring ``_grouped_mm_cuda`` in Blas.cpp) checks
+    ``mat_a.dtype == mat_b.dtype == torch.bfloat16``; ``GroupedExperts`` casts to the input's
+    dtype, which is the module's compute dtype. fp32 and fp16 use AutoEP's per-expert loop.
+    """
+    return not on_cpu and precision.startswith("bf16")
+
+
+def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto_stage: bool = False,
+            choose_stage: Callable[[], tuple[int, str]] | None = None,
+            keyword_sections: Mapping[str, Any] | None = None,
+            user: Mapping[str, Any] | None = None) -> ResolvedConfig:
+    """Build, merge and validate the DeepSpeed config. Raises :class:`ZeroMoEConfigError` on bad input."""
+    found = found or Discovery(source="none")
+    notes: list[str] = []
+    ep_size = effective_ep_size(options.ep_size, user)
+    asked = options.grouped_experts
+    grouped = effective_grouped_experts(asked, ep_size, user)
+    stage, why = effective_stage(options.stage, auto_stage, user, choose_stage)
+    if why:
+        notes.append(why)
+    try:
+        options = dataclasses.replace(options, stage=stage, ep_size=ep_size, grouped_experts=grouped)
+    except ValueError as err:
+        raise ZeroMoEConfigError(f"[merged-config-invalid] {err}") from None
+    layout = Layout(world_size=world.world_size, devices_per_node=world.devices_per_node, ep_size=ep_size,
+                    stage=stage, precision=world.precision, grouped_experts=grouped)
+    warnings = check_layout(layout, found)
+    locate = found.autoep if (found.blocks and converts_blocks(options)) else None
+    use_grouped_mm = grouped_mm_applies(world.on_cpu, world.precision)
+    if grouped and ep_size == 1:
+        notes.append(grouped_note(asked, use_grouped_mm))
+    base = build_config(options, locate, use_grouped_mm=use_grouped_mm)
+    base, _ = merge_config(base, keyword_sections)
+    merged, overrides = merge_config(base, user)
+    notes += [f"ZeroMoEStrategy config override: {line}" for line in overrides]
+    check_batch_arithmetic(merged, world.world_size, world.accumulate_grad_batches)
+    # Lightning sets gradient_accumulation_steps itself and refuses a config that has it.
+    merged.pop("gradient_accumulation_steps", None)
+    assert zero_stage(merged) == stage, "the stage is decided in effective_stage only"
+    return ResolvedConfig(config=merged, stage=stage, ep_size=ep_size, grouped_experts=grouped, warnings=warnings,
+                          notes=notes)
+
+
+def grouped_note(asked: bool, use_grouped_mm: bool) -> str:
+    """The info line for AutoEP's layer at ep_size=1: why it is on and which expert path it runs."""
+    why = "grouped_experts=True" if asked else "expert_parallel.enabled: true at autoep_size 1 in your config"
+    path = ("its grouped GEMM (torch._grouped_mm)" if use_grouped_mm else
+            "its per-expert loop (torch's grouped GEMM is used for bf16 on CUDA only)")
+    return (f"ZeroMoEStrategy: {why}: the MoE blocks become AutoEP layers without expert parallelism "
+            f"(autoep_size=1, every rank holds every expert, no all-to-all); the experts run {path}.")
+
+
+def inference_config(config: Mapping[str, Any], *, already_converted: bool) -> dict[str, Any]:
+    """The config for an engine without optimizer (validate/test/predict), from the training config.
+
+    Keeps precision, the ZeRO section (stage 3 partitions parameters for inference too; lower
+    stages only shard optimizer state, so there is nothing to keep), and the ``expert_parallel``
+    section, so an unconverted model is converted exactly as for training. A model AutoEP already
+    converted (``validate`` after ``fit`` in the same process) must not be converted twice: its
+    section is dropped and its expert layers keep their groups.
+    """
+    out: dict[str, Any] = {"train_micro_batch_size_per_gpu": config.get("train_micro_batch_size_per_gpu", 1)}
+    for key in ("fp16", "bf16", "zero_allow_untested_optimizer"):
+        if key in config:
+            out[key] = config[key]
+    if zero_stage(config) == 3:
+        zero = dict(config["zero_optimization"])
+        for key in ("offload_optimizer",):
+            zero.pop(key, None)
+        out["zero_optimization"] = zero
+    if "expert_parallel" in config and not already_converted:
+        out["expert_parallel"] = dict(config["expert_parallel"])
+    return out
+
+
+def check_offload_optimizer(config: Mapping[str, Any], optimizer_class: type | None) -> None:
+    """ZeRO-Offload of the optimizer needs DeepSpeed's CPU optimizer, not a torch one.
+
+    DeepSpeed refuses a torch optimizer only deep inside ``deepspeed.initialize`` (with
+    ``zero_force_ds_cpu_optimizer``, on by default); this says so before any engine exists.
+    """
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if optimizer_class is None or offload.get("device", "none") in ("none", None):
+        return
+    if not config.get("zero_force_ds_cpu_optimizer", True):
+        return
+    module = optimizer_class.__module__ or ""
+    if module.startswith("deepspeed."):
+        return
+    raise ZeroMoEConfigError(
+        f"[offload-needs-ds-cpu-optimizer] offload_optimizer is on (device={offload.get('device')!r}) but "
+        f"configure_optimizers returned {module}.{optimizer_class.__qualname__}: DeepSpeed runs the offloaded "
+        "step on the CPU only with its own optimizer. Return "
+        "deepspeed.ops.adam.DeepSpeedCPUAdam(self.parameters(), lr=..., adamw_mode=True) (same AdamW math), "
+        "or drop offload_optimizer.")
+
+
+def zero_init_config(options: ZeroOptions, *, auto_stage: bool, keyword_sections: Mapping[str, Any] | None = None,
+                     user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config ``zero.Init`` sees while ``configure_model`` builds the model (before :func:`resolve`).
+
+    Only its ZeRO section matters there (``zero.Init`` is on for stage 3). ``stage="auto"`` cannot
+    ask the planner about a model that does not exist yet, so it builds under ZeRO-3: a model too
+    big for one rank must never be built whole. :func:`resolve` replaces this config in ``setup``.
+    """
+    stage, _ = effective_stage(options.stage, auto_stage, user, choose=None)
+    if auto_stage and user_section(user, "zero_optimization").get("stage") is None:
+        stage = 3
+    base = build_config(dataclasses.replace(options, stage=stage, ep_size=1), None, use_grouped_mm=False)
+    base, _ = merge_config(base, keyword_sections)
+    merged, _ = merge_config(base, user)
+    merged.pop("gradient_accumulation_steps", None)
+    return merged

@@ -1,0 +1,1 @@
+"""The setup-time proof that a converted block computes what the original did."""

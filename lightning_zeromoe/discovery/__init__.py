@@ -1,0 +1,1 @@
+"""Where the MoE blocks are: structure, Hugging Face semantics, expert lists, patterns."""

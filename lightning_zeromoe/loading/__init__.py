@@ -1,0 +1,1 @@
+"""Loading pretrained weights under ZeRO-3 without any rank holding the whole model."""

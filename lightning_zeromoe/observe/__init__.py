@@ -1,0 +1,1 @@
+"""What the run shows the user: expert load telemetry, the monitor, heatmaps."""
