@@ -1,5 +1,5 @@
 import sys
 from pathlib import Path
 
-# tests/jobs_util.py is imported as a plain module by the tests.
+# tests/ on sys.path: test modules and job scripts import the shared helpers as ``support.*``.
 sys.path.insert(0, str(Path(__file__).parent))

@@ -2,7 +2,7 @@
 router z-loss, with and without expert parallelism.
 
 * By hand: the sign rule and its centred (torchtitan) variant; the z-loss's value.
-* Every Hugging Face MoE family of ``tests/hf_zoo.py`` (one process, no Trainer): the balancer finds
+* Every Hugging Face MoE family of ``tests/support/hf_zoo.py`` (one process, no Trainer): the balancer finds
   each choice-only bias the model has (and nothing in families without one); the bias really
   steers the choice (+100 on one expert sends every token there) and only the choice (a change
   too small to change any choice leaves the output bit-identical); the counts it reads add up to
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import read_ranks, run_job
+from support.jobs import read_ranks, run_job
 from lightning_zeromoe.balance.rules import bias_update, router_z_loss
 from troubleshooter import knowledge
 
@@ -85,7 +85,7 @@ def _choices(sites, net, ids) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 def test_every_family_with_a_choice_only_bias_is_found_and_it_steers_only_the_choice():
-    from hf_zoo import ARCHS, build, tiny_config
+    from support.hf_zoo import ARCHS, build, tiny_config
     from lightning_zeromoe.balance.balancer import find_score_biases
     from lightning_zeromoe.discovery.structure import ROUTING_TENSOR_NAMES
 

@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from playwright.sync_api import Page, expect, sync_playwright
+from support.jobs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "docs" / "images"
@@ -54,12 +54,6 @@ FRESH_CELLS = [
     ("%%troubleshoot\nfor step in range(2):\n    buffer = bytearray(1 << 62)", ["raises-exception"]),
     (f"raise RuntimeError({CUDA_OOM!r})", ["raises-exception"]),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_settings(settings: Path) -> None:
@@ -140,7 +134,7 @@ def lab(tmp_path_factory):
     _write_settings(home / "settings")
     shots = Path(os.environ.get("BROWSER_SCREENSHOTS") or tempfile.mkdtemp(prefix="troubleshooter-screens-"))
     shots.mkdir(parents=True, exist_ok=True)
-    token, port = secrets.token_hex(16), _free_port()
+    token, port = secrets.token_hex(16), free_port()
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
            "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
            "IPYTHONDIR": str(home / "ipython"), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import JOBS, REPO, job_env, run_job
+from support.jobs import JOBS, REPO, job_env, run_job
 
 #: fp32 end to end; measured max |difference| ~2e-7 (expert summation order differs).
 ATOL = 1e-5

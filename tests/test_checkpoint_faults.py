@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs_util import JOBS, REPO, free_port, job_env
+from support.jobs import JOBS, REPO, free_port, job_env
 from lightning_zeromoe.checkpoint.resume import reshape as resume
 from lightning_zeromoe.checkpoint.autoep_names import ResumeShapeError
 

@@ -180,9 +180,14 @@ def test_doctor_subcommand_is_delegated(env):
     proc = run(["doctor", "--help"], env)
     assert proc.returncode == 0, proc.stderr
     assert "--json" in proc.stdout
+    import argparse
+
     import troubleshooter.doctor as doctor
 
-    assert callable(doctor.add_arguments) and callable(doctor.main)
+    own = argparse.ArgumentParser()
+    doctor.add_arguments(own)
+    options = {s for action in own._actions for s in action.option_strings if s not in ("-h", "--help")}
+    assert options and all(s in proc.stdout for s in options), sorted(s for s in options if s not in proc.stdout)
 
 
 def test_one_colour_policy_for_every_renderer(monkeypatch):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs_util import JOBS, REPO, free_port, job_env
+from support.jobs import JOBS, REPO, free_port, job_env
 
 from lightning_zeromoe.engine.collectives import (KNOWN_BACKENDS, UnknownBackendError, backend_device_types,
                                            device_for_backend)

@@ -2,7 +2,7 @@
 
 In-process and single-rank, with AutoEP's real ``AutoEPMoELayer`` (``ep_size=1``) built from the
 section the strategy hands DeepSpeed, against real blocks: tiny Hugging Face models from
-``tests/hf_zoo.py`` and variants of the repository's tiny MoE block (subclasses that differ from
+``tests/support/hf_zoo.py`` and variants of the repository's tiny MoE block (subclasses that differ from
 what AutoEP computes in one deliberate way each). Every negative control is a block that truly
 differs from its conversion, and every one of them passed the probe as it was before (eval mode,
 no gradients, bf16 tolerance 4e-2, 16 tokens); the positive controls must keep passing.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_zoo import build
+from support.hf_zoo import build
 from lightning_zeromoe.conversion.check import (ENTRY_ID, _Holder, _section_for_probe, check_block, check_conversion,
                                                 probe_summary, tolerance_for)
 from lightning_zeromoe.conversion.probe import GROWTH, MAX_TOKENS, probe_tokens

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-import deepspeed_job
+from support import deepspeed_job
 from troubleshooter import doctor, knowledge, render
 from troubleshooter.doctor import report
 from troubleshooter.doctor.base import DoctorOptions, run_probe

@@ -10,16 +10,12 @@ import json
 import math
 import sys
 
-from jobs_util import REPO, run
-
-#: The example's last step run here: "reload" is the whole example (train, validate after fit,
-#: export to an HF directory, from_pretrained of the export).
-THROUGH = "reload"
-
+from support.jobs import REPO, run
 
 def test_finetune_pretrained_example(tmp_path):
+    """The whole example: train, validate after fit, export to an HF directory, from_pretrained of it."""
     proc = run([sys.executable, str(REPO / "examples" / "finetune_pretrained.py"), "--workdir", str(tmp_path),
-                "--through", THROUGH], timeout=500)
+                "--through", "reload"], timeout=500)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     assert any(line.startswith("[train]") for line in lines), proc.stdout
@@ -33,11 +29,8 @@ def test_finetune_pretrained_example(tmp_path):
         assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
         assert losses[-1] < losses[0], "fine-tuning should lower the training loss"
     assert results[0]["fit_val_loss"] == results[1]["fit_val_loss"], "val_loss is synced over ranks"
-    if THROUGH in ("validate", "export", "reload"):
-        assert any(line.startswith("[validate]") for line in lines), proc.stdout
-        assert math.isclose(results[0]["val_loss"], results[0]["fit_val_loss"], rel_tol=1e-5)
-    if THROUGH in ("export", "reload"):
-        assert (tmp_path / "exported" / "config.json").is_file(), "the export is not an HF directory"
-    if THROUGH == "reload":
-        assert any(line.startswith("[reload]") for line in lines), proc.stdout
-        assert math.isclose(results[0]["reloaded_val_loss"], results[0]["val_loss"], rel_tol=1e-4)
+    assert any(line.startswith("[validate]") for line in lines), proc.stdout
+    assert math.isclose(results[0]["val_loss"], results[0]["fit_val_loss"], rel_tol=1e-5)
+    assert (tmp_path / "exported" / "config.json").is_file(), "the export is not an HF directory"
+    assert any(line.startswith("[reload]") for line in lines), proc.stdout
+    assert math.isclose(results[0]["reloaded_val_loss"], results[0]["val_loss"], rel_tol=1e-4)

@@ -14,7 +14,7 @@ import torch
 
 from lightning_zeromoe.loading import expert_fusion
 from lightning_zeromoe.loading.hf_zero3 import layer_groups
-import hf_zoo  # tests/ is on sys.path (conftest)
+from support import hf_zoo  # tests/ is on sys.path (conftest)
 
 # Families whose checkpoints hold one tensor per expert (transformers' conversion fuses them) plus one
 # (granitemoe) whose conversion is not row-separable and must stay whole.

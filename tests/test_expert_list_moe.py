@@ -6,7 +6,7 @@ converted, does not mistake other module lists for experts, and the "no block co
 is one message for every kind of model; the expert name mapping for export and resume.
 
 One 2-rank launch (``tests/jobs/expert_list_job.py``, ~1 min on 2 CPU cores) with the three block
-shapes of ``tests/expert_list_models.py``, routers skewed so the ranks route to disjoint experts:
+shapes of ``tests/support/expert_list_models.py``, routers skewed so the ranks route to disjoint experts:
 ``ep_size=1`` (each block a ZeRO-3 leaf module: no collective mismatch), ``ep_size=2`` (two shapes
 converted by AutoEP, the Switch-style one falling back with its reason), each at parity with a
 plain single-process run over the batches each rank received; the converted runs saved, exported
@@ -26,8 +26,8 @@ import pytest
 import torch
 from torch import nn
 
-from expert_list_models import BLOCKS, HandMoELM, Top2MLP
-from jobs_util import JOBS, REPO, free_port, job_env
+from support.expert_list_models import BLOCKS, HandMoELM, Top2MLP
+from support.jobs import JOBS, REPO, free_port, job_env
 from lightning_zeromoe.checkpoint.autoep_names import BlockNames, fuse_experts, own_expert_names, split_experts
 from lightning_zeromoe.discovery.find import MoEPattern, discover
 from lightning_zeromoe.discovery.result import FallbackBlock
@@ -240,7 +240,7 @@ def test_a_pattern_over_a_module_list_keeps_the_stated_roles():
 def test_no_expert_parallel_warning_is_one_rule_for_every_kind_of_model():
     """Hand-written (Switch-style), Hugging Face (GPT-OSS: expert biases) and MoEPattern blocks that
     all fail: the same message, naming each block and its reason, recognised by the knowledge base."""
-    from hf_zoo import build
+    from support.hf_zoo import build
 
     hand = discover(HandMoELM("switch"))
     hf = discover(build("gpt_oss"))

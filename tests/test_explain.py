@@ -23,7 +23,7 @@ TRACEBACKS = FIXTURES / "tracebacks"
 sys.path.insert(0, str(FIXTURES))
 import make_tracebacks  # noqa: E402  (the generator's case code, reused for the live test)
 
-import deepspeed_job  # noqa: E402  (tests/ is on sys.path: one deepspeed job per session)
+from support import deepspeed_job  # noqa: E402  (tests/ is on sys.path: one deepspeed job per session)
 
 #: fixture file -> the entry that must be the top diagnosis.
 EXPECTED = {

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import REPO, job_env, run_job
+from support.jobs import REPO, job_env, run_job
 
 #: Small enough that the tiny model (0.8 MB in float32) is written as several shards.
 SHARD = "150KB"

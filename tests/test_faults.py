@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jobs_util import JOBS, run
+from support.jobs import JOBS, run
 
 TIMEOUT = 60  # seconds; generous because two ranks start on two busy cores
 MARGIN = 45  # teardown, process exit, a loaded machine

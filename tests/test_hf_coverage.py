@@ -1,7 +1,7 @@
 """Every Hugging Face MoE family trains under ``ZeroMoEStrategy(ep_size=2)`` at parity, and the README says how.
 
 One ``torchrun --nproc_per_node 2`` launch of ``tests/jobs/hf_zoo_parity.py`` trains every family
-of ``tests/hf_zoo.py`` (one Trainer per family, real DeepSpeed ZeRO-3 on 2 CPU ranks, AutoEP where
+of ``tests/support/hf_zoo.py`` (one Trainer per family, real DeepSpeed ZeRO-3 on 2 CPU ranks, AutoEP where
 the setup-time probe allows it) and replays each rank's batches on a plain single-process copy.
 The assertions: no family errors; per step and per rank, the loss (and the aux loss where HF
 computes one) equals the plain run's; the blocks AutoEP replaced are exactly the ones discovery
@@ -26,15 +26,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hf_zoo import ARCHS, REFUSED, moe_model_types
-from jobs_util import JOBS, REPO, job_env
+from support.hf_zoo import ARCHS, REFUSED, moe_model_types
+from support.jobs import JOBS, REPO, free_port, job_env
 
 import subprocess
 
@@ -53,17 +52,11 @@ TIMEOUT_S = 900
 RESUMED = ("hunyuan_v1_moe", "afmoe", "deepseek_v3", "qwen2_moe")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, *args: str) -> dict[str, Any]:
     env = {k: v for k, v in job_env().items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(JOBS / "hf_zoo_parity.py"), "--out", str(out), *args]
+           str(free_port()), str(JOBS / "hf_zoo_parity.py"), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return json.loads((out / "zoo.json").read_text())
@@ -189,7 +182,7 @@ def coverage_table(zoo: dict[str, Any]) -> str:
     for arch in sorted(set(moe_model_types()) | set(zoo)):
         result = zoo.get(arch)
         if result is None:
-            rows.append(f"| {arch} | | untested: no tiny config in tests/hf_zoo.py | |")
+            rows.append(f"| {arch} | | untested: no tiny config in tests/support/hf_zoo.py | |")
         elif arch in REFUSED:
             rows.append(f"| {arch} | | {_verdict(result)} | |")
         else:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_zoo import build
+from support.hf_zoo import build
 from lightning_zeromoe.conversion.check import (
     ENTRY_ID, check_block, check_conversion, narrowed_config, register_fallback_leaves, tolerance_for)
 from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover, exact_pattern

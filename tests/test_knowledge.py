@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zeromoe import compat
+from support.knowledge_scan import OWN_PATTERNS
 from troubleshooter import knowledge
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tracebacks"
@@ -130,10 +131,10 @@ def test_required_entries_exist_and_are_complete():
 
 
 def test_every_entry_with_patterns_is_matched_by_real_text():
+    """OWN_PATTERNS are fed our real messages in tests/test_own_errors.py."""
     corpus = _corpus()
     matched = {m.entry.id for _, text in corpus for m in knowledge.match(text)}
     with_patterns = {e.id for e in knowledge.load_entries() if e.patterns or e.contextual}
-    from test_own_errors import OWN_PATTERNS  # fed the real messages there
 
     assert with_patterns - matched - OWN_PATTERNS == set()
 

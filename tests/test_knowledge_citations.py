@@ -1,6 +1,6 @@
 """The knowledge base is the only place advice lives, and every citation of it resolves.
 
-Static (AST) scan of the whole ``troubleshooter`` package (tests/knowledge_scan.py): every call
+Static (AST) scan of the whole ``troubleshooter`` package (tests/support/knowledge_scan.py): every call
 of the citation API names an existing entry and an existing fix / message id, and no string
 literal outside ``troubleshooter/knowledge/`` holds fix prose. Then lint is run for real on
 configs that trigger every message template it cites, so every template renders with the values
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-import knowledge_scan as scan
+from support import knowledge_scan as scan
 from troubleshooter import knowledge, lint
 
 #: Files exempt from the prose check (their citations are still checked). Empty: the doctor and

@@ -19,7 +19,7 @@ import deepspeed
 import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from claims_util import claims
+from support.claims import claims
 from troubleshooter import knowledge, lint
 
 FAMILIES = {"config", "autoep", "native-moe-zero3", "zero3-pitfalls", "router-collapse"}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import read_ranks, run_job
+from support.jobs import read_ranks, run_job
 from lightning_zeromoe.observe.monitor import REMEDIES, ExpertCollapseWarning, ExpertUtilizationMonitor, layer_stats
 from troubleshooter import knowledge
 

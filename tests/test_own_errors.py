@@ -25,9 +25,9 @@ from lightning_zeromoe.checkpoint.export import check_output, target_dtype
 from lightning_zeromoe.discovery.find import discover
 from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
-from claims_util import claims
-from test_pitfalls import MovesItself
-from test_validation import DenseModule, NativeMoEModule, prepared
+from support.claims import claims
+from support.knowledge_scan import OWN_PATTERNS
+from support.modules import DenseModule, MovesItself, NativeMoEModule, prepared
 from troubleshooter import knowledge
 
 PREFIX = re.compile(r"^\[(?P<id>[a-z0-9]+(?:[.-][a-z0-9]+)*)\] ")
@@ -68,12 +68,6 @@ def _check(message: str, expected: str | None = None) -> str:
         bare = message[prefix.end():]
         assert any(m.entry.id == entry_id for m in knowledge.match(bare)), (entry_id, bare[:120])
     return entry_id
-
-
-#: Entries whose patterns exist for our own messages: tests/test_knowledge.py leaves their
-#: real-text check to this file, which feeds them the real messages.
-OWN_PATTERNS = {"moe-top-k-range", "ep-size-crosses-nodes", "zero3-module-move", "zero3-noop-move",
-                "zero3-no-gradient", "zero3-aliased-weight"}
 
 
 def test_every_validation_error_names_its_entry():

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from jobs_util import read_ranks, run_job
+from support.jobs import read_ranks, run_job
 from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, EPOCH_STEPS, BATCH, LR = 20, 10, 4, 3e-3

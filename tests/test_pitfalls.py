@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from jobs_util import JOBS, read_ranks, run_job
+from support.modules import MovesItself
+from support.jobs import JOBS, read_ranks, run_job
 from lightning_zeromoe.engine import pitfalls
 from lightning_zeromoe.engine.pitfalls import device_guard
 from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
@@ -153,18 +154,6 @@ def test_raw_zero_init_skips_module_to(raw):
         assert rank["buffers"]["zero_init"]["root_to_calls"] == 0
 
 
-class MovesItself(nn.Module):
-    """A module that calls ``.to("cpu")`` on a child in forward: a no-op move on CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(2, 2)
-
-    def forward(self, x):
-        self.lin.to("cpu")
-        return self.lin(x)
-
-
 def test_move_buffers_moves_buffers_not_parameters():
     """On a CPU-only machine the other device is 'meta'; the function is device-agnostic."""
     model = TinyMoELM(TinyMoEConfig(num_layers=1))
@@ -195,7 +184,7 @@ def test_guard_outside_zero_and_removal_restore_torch():
             for _ in range(3):
                 net(torch.ones(1, 2))
         msgs = [str(w.message) for w in caught]
-        assert len(msgs) == 1 and "module 'lin'" in msgs[0] and "test_pitfalls.py:" in msgs[0]
+        assert len(msgs) == 1 and "module 'lin'" in msgs[0] and "support/modules.py:" in msgs[0]
         net.lin.half()  # no ZeRO-3 parameters: nothing to detach, so it is allowed
         assert net.lin.weight.dtype == torch.float16
     finally:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jobs_util import REPO, read_ranks, run_job
+from support.jobs import REPO, read_ranks, run_job
 from lightning_zeromoe import planner
 from lightning_zeromoe.planner import GB, MIXTRAL_8X7B, choose_stage, moe_transformer_counts, plan
 

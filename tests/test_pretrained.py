@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import read_ranks, run_job
+from support.jobs import read_ranks, run_job
 from lightning_zeromoe.reference.models import SyntheticLMData
 
 STEPS, ACCUMULATE, BATCH, AUDIT, LR, SEQ_LEN = 3, 2, 2, 2, 3e-3, 17

@@ -166,7 +166,7 @@ def test_contradictory_grouped_experts_config_is_refused_at_construction(config,
 
 
 def test_grouped_experts_without_moe_blocks_is_refused_at_setup():
-    from test_validation import DenseModule, prepared
+    from support.modules import DenseModule, prepared
 
     with pytest.raises(ZeroMoEConfigError, match=r"^\[autoep-no-moe-layers\] grouped_experts=True but no MoE block"
                                                  r".*or use ep_size=1 and grouped_experts=False"):

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs_util import JOBS, read_ranks, run, run_job
+from support.jobs import JOBS, read_ranks, run, run_job
 from lightning_zeromoe.checkpoint import autoep_names
 from lightning_zeromoe.checkpoint.resume import reshape as resume
 from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses

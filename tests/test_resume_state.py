@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs_util import JOBS, REPO, free_port, job_env
+from support.jobs import JOBS, REPO, free_port, job_env
 
 CASES = ("2to1", "1to2", "c2toc2")
 BIAS = "e_score_correction_bias"
@@ -65,7 +65,7 @@ def test_buffers_and_newly_frozen_parameters_come_from_the_checkpoint(resumed, c
 def test_the_resumed_model_was_built_with_other_values():
     """The comparison above can fail: seed 1 builds other routing biases and embeddings."""
     sys.path.insert(0, str(REPO / "tests"))
-    from hf_zoo import build
+    from support.hf_zoo import build
 
     first, second = dict(build("deepseek_v3", seed=0).named_buffers()), dict(build("deepseek_v3", seed=1).named_buffers())
     name = next(n for n in first if n.endswith(BIAS))

@@ -9,7 +9,6 @@ recorded, with the same seed, optimizer, schedule, accumulation and clipping.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from troubleshooter import knowledge
-from jobs_util import JOBS, job_env, read_ranks, run, run_job
+from support.jobs import JOBS, free_port, job_env, read_ranks, run, run_job
 from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, BATCH, LR, WARMUP, CLIP = 6, 4, 3e-3, 3, 0.05
@@ -31,17 +30,11 @@ RTOL = 2e-6
 BF16_RTOL = 1e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     out = tmp_path_factory.mktemp("paths")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_port", str(_free_port())]
+                "--master_port", str(free_port())]
     run_job("strategy_paths.py", "--out", str(out), "--runs", ",".join(RUNS), "--steps", str(STEPS),
             launcher=launcher, timeout=900)
     return {name: read_ranks(out / name, 2) for name in RUNS} | {"_dir": out}
@@ -186,7 +179,7 @@ def test_native_deepspeed_moe_at_stage_1_and_2_matches_single_process(paths, nam
 def test_two_nodes_of_one_process_each_match_single_process(tmp_path):
     """Two torchrun invocations (--nnodes 2, one process each) rendezvous on 127.0.0.1; the Trainer
     is built with num_nodes=2, devices=1."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",

@@ -16,15 +16,7 @@ from lightning_zeromoe import MoEPattern, ZeroMoEStrategy
 from lightning_zeromoe.discovery.find import discover
 from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_layout
-
-
-def prepared(module: L.LightningModule, devices: int = 2, num_nodes: int = 1, **kwargs) -> ZeroMoEStrategy:
-    strategy = ZeroMoEStrategy(**kwargs)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False)
-    module.trainer = trainer
-    strategy.connect(module)
-    strategy.prepare()
-    return strategy
+from support.modules import DenseModule, NativeMoEModule, prepared
 
 
 @pytest.fixture(autouse=True)
@@ -54,24 +46,9 @@ def test_ep_size_beyond_one_node_warns():
         prepared(TinyMoEModule(), devices=2, num_nodes=2, ep_size=4)
 
 
-class DenseModule(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.expert_mixer = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
-
-
 def test_no_moe_blocks_with_ep_lists_candidates():
     with pytest.raises(ZeroMoEConfigError, match=r"(?s)ep_size=2 but no MoE block was found.*MoEPattern.*expert_mixer \(Linear\)"):
         prepared(DenseModule(), ep_size=2)
-
-
-class NativeMoEModule(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        from deepspeed.moe.layer import MoE
-
-        self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1, k=1)
 
 
 def test_native_deepspeed_moe_under_stage3_names_both_ways_out():

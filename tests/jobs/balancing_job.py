@@ -131,7 +131,7 @@ def run_hf(family: str, ep: int) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
-    from hf_zoo import VOCAB, build
+    from support.hf_zoo import VOCAB, build
     from lightning_zeromoe.balance.balancer import ExpertBiasBalancer, router_z_loss
     from lightning_zeromoe.reference.models import SyntheticLMData
 

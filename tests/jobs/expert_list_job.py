@@ -1,7 +1,7 @@
 """Hand-written MoE blocks (router Linear + ModuleList of expert MLPs) under ZeroMoEStrategy, in one launch.
 
 Launched once with ``torchrun --nproc_per_node 2`` (Lightning joins the torchrun world). Each
-``--runs kind:ep`` trains the tiny LM of ``tests/expert_list_models.py`` with that block for a few
+``--runs kind:ep`` trains the tiny LM of ``tests/support/expert_list_models.py`` with that block for a few
 steps under ``ZeroMoEStrategy(ep_size=ep)`` (ZeRO-3), with every router's logits skewed per rank
 (``Skew``: rank 0's tokens go to the second half of the experts, rank 1's to the first half, so
 the ranks route to disjoint experts, the data that made ZeRO-3 hang). Afterwards rank 0 replays
@@ -40,7 +40,7 @@ for extra in (REPO, REPO / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from expert_list_models import VOCAB, HandMoELM, Skew  # noqa: E402
+from support.expert_list_models import VOCAB, HandMoELM, Skew  # noqa: E402
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
 from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Every Hugging Face MoE family under ``ZeroMoEStrategy(ep_size=2)``, against a plain run, in one launch.
 
 Launched once with ``torchrun --nproc_per_node 2`` (Lightning joins the torchrun world instead of
-re-running the script), it loops over the families of ``tests/hf_zoo.py``: one tiny model, one
+re-running the script), it loops over the families of ``tests/support/hf_zoo.py``: one tiny model, one
 ``Trainer.fit`` (ZeRO-3, AutoEP where the setup-time probe allows it, the ZeRO-3 fallback
 elsewhere), a few steps of HF's own loss (LM + ``router_aux_loss_coef`` x aux loss, with
 ``output_router_logits=True``). Afterwards rank 0 replays the batches both ranks received on a
@@ -42,7 +42,7 @@ for extra in (REPO, REPO / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from hf_zoo import ARCHS, VOCAB, build  # noqa: E402
+from support.hf_zoo import ARCHS, VOCAB, build  # noqa: E402
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
 from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Resume on another shape keeps the *whole* model state: buffers, and parameters frozen only now.
 
 Launched with ``torchrun --nproc_per_node 2``. For each ``SRC:DST`` pair of ``ep_size`` values it
-trains a tiny DeepSeek-V3 (``tests/hf_zoo.py``: non-zero ``e_score_correction_bias`` routing
+trains a tiny DeepSeek-V3 (``tests/support/hf_zoo.py``: non-zero ``e_score_correction_bias`` routing
 buffers, as a pretrained model has) for two steps under ``ZeroMoEStrategy(ep_size=SRC)`` and saves
 it. The LightningModule also keeps a persistent buffer of its own (``tokens_seen``, counted in
 ``training_step``) and a non-persistent one. Rank 0 then exports the checkpoint with
@@ -35,7 +35,7 @@ for extra in (REPO, REPO / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from hf_zoo import VOCAB, build  # noqa: E402
+from support.hf_zoo import VOCAB, build  # noqa: E402
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
 from lightning_zeromoe.reference.models import SyntheticLMData  # noqa: E402
 

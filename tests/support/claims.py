@@ -11,7 +11,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-JOB = Path(__file__).parent / "jobs" / "claims_job.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "claims_job.py"
 
 
 @lru_cache(maxsize=1)

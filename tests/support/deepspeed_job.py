@@ -12,7 +12,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-JOB = Path(__file__).resolve().parent / "jobs" / "deepspeed_errors.py"
+JOB = Path(__file__).resolve().parents[1] / "jobs" / "deepspeed_errors.py"
 
 
 @lru_cache(maxsize=1)

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "troubleshooter"
+PACKAGE = Path(__file__).resolve().parents[2] / "troubleshooter"
 KNOWLEDGE = PACKAGE / "knowledge"
 
 _VERBS = ("Set|Use|Remove|Delete|Rename|Install|Lower|Raise|Choose|Pick|Move|Add|Make|Upgrade|"
@@ -210,3 +210,9 @@ def prose(path: Path, known_texts: list[str]) -> list[Prose]:
         elif len(text) >= 40 and any(text in k for k in known_texts):
             out.append(Prose(_rel(path), line, text, "a copy of a knowledge-base text"))
     return out
+
+
+#: Entries whose patterns exist for our own messages: tests/test_knowledge.py leaves their
+#: real-text check to tests/test_own_errors.py, which feeds them the real messages.
+OWN_PATTERNS = {"moe-top-k-range", "ep-size-crosses-nodes", "zero3-module-move", "zero3-noop-move",
+                "zero3-no-gradient", "zero3-aliased-weight"}

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-JOBS = Path(__file__).parent / "jobs"
-REPO = Path(__file__).resolve().parent.parent
+JOBS = Path(__file__).resolve().parents[1] / "jobs"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
