@@ -11,6 +11,7 @@ saves a DeepSpeed checkpoint.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -26,8 +27,11 @@ from lightning_zeromoe.engine.notices import silence_known_notices  # noqa: E402
 silence_known_notices()
 
 
+PROG = "python -m lightning_zeromoe.demo"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_zeromoe.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     parser.add_argument("--ep-size", type=int, default=2, help="expert-parallel group size (default 2)")
@@ -106,7 +110,18 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo; a setting the strategy refuses is one ``[entry-id]`` line on stderr and exit 2."""
+    from lightning_zeromoe.config.validation import ZeroMoEConfigError
+
     args = parse_args(argv)
+    try:
+        return _run(args)
+    except ZeroMoEConfigError as err:  # a bad flag, like argparse's own errors: no traceback
+        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     accelerator, devices, where = resolve_accelerator(args.accelerator, args.devices)
     precision = args.precision or ("bf16-true" if accelerator == "gpu" else "32-true")
 

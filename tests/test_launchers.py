@@ -10,12 +10,13 @@ import re
 import shlex
 import sys
 
-from jobs_util import JOBS, REPO, read_ranks, run, run_job
+from support.jobs import JOBS, REPO, free_port, read_ranks, run, run_job
 
 
 def test_torchrun_two_processes(tmp_path):
     """torchrun starts both ranks; Lightning picks up its environment (TorchElasticEnvironment)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
     run_job("train_tiny.py", "--out", str(tmp_path), "--steps", "3", launcher=launcher)
     ranks = read_ranks(tmp_path, 2)
     assert [r["world_size"] for r in ranks] == [2, 2]
@@ -31,6 +32,16 @@ def test_bad_expert_count_fails_fast_on_every_rank(tmp_path):
     assert "ZeroMoEConfigError: [ep-size-divisibility] ep_size=2 does not divide num_experts=3" in proc.stderr
     assert "deepspeed/runtime" not in proc.stderr, "the error should come before any DeepSpeed engine code runs"
     assert not list(tmp_path.glob("rank*.json"))
+
+
+def test_demo_bad_flag_is_one_line_and_exit_2(tmp_path):
+    """``--ep-size 3`` on 2 ranks: the strategy's refusal as a CLI error (exit 2), not a traceback."""
+    proc = run([sys.executable, "-m", "lightning_zeromoe.demo", "--ep-size", "3", "--devices", "2",
+                "--accelerator", "cpu", "--out", str(tmp_path / "demo")], timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if "lightning_zeromoe.demo: error:" in line]
+    assert len(ours) == 1 and "[ep-size-divisibility] ep_size=3 does not divide the world size 2" in ours[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "demo").exists()
 
 
 def readme_demo_command() -> list[str]:

@@ -326,6 +326,8 @@ def __getattr__(name: str) -> Any:
 
 
 def _build_module_class() -> type:
+    from typing_extensions import override
+
     base = _lightning_module_base()
 
     class TinyMoEModule(base):  # type: ignore[misc, valid-type]
@@ -359,9 +361,11 @@ def _build_module_class() -> type:
             """
             return {k: float(v) for k, v in self._last_losses.items()}
 
+        @override
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.model(input_ids)[0]
 
+        @override
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
             config = self.model.config
             task, aux, z = lm_loss_terms(self.model, batch["input_ids"])
@@ -379,9 +383,11 @@ def _build_module_class() -> type:
             self.log_dict({f"train/{k}": v for k, v in self._last_losses.items() if k != "loss"})
             return loss
 
+        @override
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
 
+        @override
         def train_dataloader(self) -> torch.utils.data.DataLoader:
             data = SyntheticLMData(self.num_samples, self.model.config.max_seq_len // 2 + 1,
                                    self.model.config.vocab_size, seed=self.seed)
