@@ -246,7 +246,30 @@ def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
     for name, parts in experts.items():
         total = layers[0][name.rsplit(".", 1)[0]]["num_experts"]
         out.tensors[name] = ExpertSource(name, int(total), tuple(parts))
+    _frozen_experts(tag_dir.parent, out, reader)
     return out
+
+
+def _frozen_experts(ckpt_dir: Path, out: Catalog, reader: Reader) -> None:
+    """Frozen AutoEP experts, which the strategy saves beside the shards (:mod:`.frozen_experts`):
+    each expert-parallel rank's ``[local experts, ...]`` tensor, a :class:`ModuleSource` of its file."""
+    from lightning_zeromoe.checkpoint.frozen_experts import ENTRY_ID, FrozenExpertsError, pieces
+
+    try:
+        found = pieces(ckpt_dir, trust_checkpoint=reader.trust_checkpoint)
+    except FrozenExpertsError as err:
+        raise ExportError(ENTRY_ID, str(err).removeprefix(f"[{ENTRY_ID}] ")) from None
+    parts: dict[str, list[tuple[tuple[int, ...], Source]]] = {}
+    totals: dict[str, int] = {}
+    for piece in found:
+        out.files.append(piece.file)
+        for name in piece.names:
+            block = name.rsplit(".experts.", 1)[0]
+            parts.setdefault(name, []).append((piece.experts[block], ModuleSource(piece.file, name)))
+            totals[name] = piece.num_experts[block]
+    for name, pieces_of in parts.items():
+        if name not in out.tensors:
+            out.tensors[name] = ExpertSource(name, totals[name], tuple(pieces_of))
 
 
 def _optim_states_of(model_states: Path) -> Path:
