@@ -520,7 +520,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             with frozen.presented():
                 engine.save_checkpoint(filepath, client_state=state, tag="checkpoint", save_latest=False,
                                        exclude_frozen_parameters=self.exclude_frozen_parameters)
-            frozen.write()
+            #: The frozen-experts file this rank wrote at the last save (None: none, or another rank of its group).
+            self.frozen_experts_written = frozen.write()
         except Exception as err:
             if is_disk_full(err):
                 raise OSError(f"[{DISK_FULL}] rank {self.global_rank} could not write the checkpoint {filepath}: the "

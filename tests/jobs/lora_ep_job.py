@@ -12,6 +12,9 @@ epoch boundary, so the resumed steps see the batches the uninterrupted run saw.
 * ``C``: seed 1 resumes ``A@2`` with ``ep_size=1`` (no AutoEP: universal path, AutoEP -> the
   model's own fused experts), steps 3-4; saves step 4 (``C/ckpt``).
 * ``D``: seed 1 resumes ``C@4`` with ``ep_size=2`` (none -> AutoEP), steps 5-6.
+* ``E``: seed 1 resumes ``A@2`` with ``ep_size=1, grouped_experts=True`` (AutoEP's layer holding all
+  4 experts on both ranks: one expert-data-parallel group of 2), step 3, and saves it: one file,
+  written by one rank.
 
 Each resumed run writes, right after the load (``on_train_start``), every frozen parameter it
 holds (gathered; AutoEP layers' local expert ids with them) to ``<run>/frozen_rank<R>.pt``. Every
@@ -48,11 +51,15 @@ SAMPLES, PER_RANK, SEQ, LR = 8, 2, 17, 1e-2
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def lora_model(seed: int) -> torch.nn.Module:
+#: ``--only T`` (by hand, not in CI): LoRA on the fused 3-D expert tensors too (PEFT ``target_parameters``).
+LORA_EXPERTS = dict(LORA, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+
+
+def lora_model(seed: int, experts: bool = False) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     L.seed_everything(seed, verbose=False)
-    return get_peft_model(build_hf_model("mixtral"), LoraConfig(**LORA))
+    return get_peft_model(build_hf_model("mixtral"), LoraConfig(**(LORA_EXPERTS if experts else LORA)))
 
 
 def fixed_batch() -> torch.Tensor:
@@ -100,10 +107,12 @@ class LoraModule(L.LightningModule):
         return DataLoader(data, batch_size=PER_RANK, shuffle=False, drop_last=True)
 
 
-def _trainer(ep_size: int, max_steps: int, ckpt_dir: Path | None = None, every: int = 2) -> L.Trainer:
+def _trainer(ep_size: int, max_steps: int, ckpt_dir: Path | None = None, every: int = 2,
+             grouped: bool = False) -> L.Trainer:
     callbacks = [L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=every,
                                                      save_top_k=-1)] if ckpt_dir is not None else []
-    strategy = ZeroMoEStrategy(ep_size=ep_size, param_persistence_threshold=0, timeout=timedelta(seconds=180))
+    strategy = ZeroMoEStrategy(ep_size=ep_size, grouped_experts=grouped, param_persistence_threshold=0,
+                               timeout=timedelta(seconds=180))
     return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=max_steps,
                      logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -111,12 +120,12 @@ def _trainer(ep_size: int, max_steps: int, ckpt_dir: Path | None = None, every: 
 
 
 def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resume: Path | None = None,
-         save_every: int | None = None, logits: bool = False) -> None:
+         save_every: int | None = None, logits: bool = False, grouped: bool = False, experts: bool = False) -> None:
     t0 = time.perf_counter()
     run_dir = out / name
-    module = LoraModule(lora_model(seed), capture=run_dir if resume is not None else None)
+    module = LoraModule(lora_model(seed, experts), capture=run_dir if resume is not None else None)
     trainable_before = sorted(n for n, p in module.named_parameters() if p.requires_grad)
-    trainer = _trainer(ep_size, max_steps, run_dir / "ckpt" if save_every else None, save_every or 2)
+    trainer = _trainer(ep_size, max_steps, run_dir / "ckpt" if save_every else None, save_every or 2, grouped)
     trainer.fit(module, ckpt_path=resume)
     rank = trainer.global_rank
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,6 +141,7 @@ def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resum
         "seed": seed, "ep_size": ep_size, "resumed_from": str(resume) if resume else None, "steps": module.steps,
         "trainable_before": trainable_before,
         "trainable_after": sorted(n for n, p in module.named_parameters() if p.requires_grad),
+        "frozen_experts_written": str(getattr(trainer.strategy, "frozen_experts_written", None)),
         "seconds": round(time.perf_counter() - t0, 2)}))
     dist.barrier()
 
@@ -139,7 +149,7 @@ def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resum
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default="ABCD", help="which runs (for reproducing one by hand)")
+    parser.add_argument("--only", default="ABCDE", help="which runs (for reproducing one by hand)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -152,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         _run("C", out, seed=1, ep_size=1, max_steps=4, resume=out / "A" / "ckpt" / "step=2.ckpt", save_every=4)
     if "D" in args.only:
         _run("D", out, seed=1, ep_size=2, max_steps=6, resume=out / "C" / "ckpt" / "step=4.ckpt")
+    if "E" in args.only:
+        _run("E", out, seed=1, ep_size=1, grouped=True, max_steps=3, resume=out / "A" / "ckpt" / "step=2.ckpt",
+             save_every=3)
+    if "T" in args.only:
+        _run("T", out, seed=0, ep_size=2, max_steps=4, experts=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
