@@ -596,7 +596,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         trainable = [n for n, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad]
         if not resume.plan_resume(saved, target, blocks, trainable):
             engine = self.deepspeed_engine
-            with FrozenExpertSave.of(engine.module, checkpoint_path, stage_3=self.zero_stage_3, excluded=False).presented(saving=False):
+            frozen = FrozenExpertSave.of(engine.module, checkpoint_path, stage_3=self.zero_stage_3, excluded=False)
+            with frozen.presented(saving=False):
                 client_state = super().load_checkpoint(checkpoint_path, weights_only)
             frozen_experts.restore(engine.module, saved, self.config.get("expert_parallel"), self._block_layouts())
             return client_state

@@ -55,7 +55,8 @@ def _ranks(out: Path, run: str) -> list[dict]:
 def _steps(out: Path, run: str) -> dict[int, tuple[list[list[int]], float]]:
     """step -> (each rank's sample indices, the global loss: the mean of the ranks' means)."""
     a, b = _ranks(out, run)
-    return {s["step"]: ([s["indices"], t["indices"]], (s["loss"] + t["loss"]) / 2) for s, t in zip(a["steps"], b["steps"])}
+    return {s["step"]: ([s["indices"], t["indices"]], (s["loss"] + t["loss"]) / 2)
+            for s, t in zip(a["steps"], b["steps"])}
 
 
 def plain_peft_losses(batches: list[list[list[int]]]) -> list[float]:
@@ -115,7 +116,8 @@ def test_save_writes_frozen_experts_beside_deepspeeds_shards_once_per_group(runs
         held = {n for group in states["param_shapes"] for n in group} | set(states["frozen_param_shapes"])
         assert not any(".experts.w" in n for n in held)
     # Each rank wrote its own expert-parallel rank's file; with one group of 2 (E) only its first rank wrote.
-    assert [r["frozen_experts_written"].rsplit("/", 1)[-1] for r in _ranks(runs, "A")] == ["ep_rank_0.pt", "ep_rank_1.pt"]
+    written = [r["frozen_experts_written"].rsplit("/", 1)[-1] for r in _ranks(runs, "A")]
+    assert written == ["ep_rank_0.pt", "ep_rank_1.pt"]
     e_ranks = _ranks(runs, "E")
     assert e_ranks[0]["frozen_experts_written"].endswith("step=3.ckpt/zeromoe_frozen_experts/ep_rank_0.pt")
     assert e_ranks[1]["frozen_experts_written"] == "None"
