@@ -507,21 +507,35 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             raise TypeError("trainer.save_checkpoint(..., storage_options=...) is not supported by ZeroMoEStrategy: "
                             "DeepSpeed writes the checkpoint itself, without a CheckpointIO.")
         from lightning_zeromoe.checkpoint.commit import DISK_FULL, begin_save, commit_save, is_disk_full
+        from lightning_zeromoe.checkpoint.frozen_experts import FrozenExpertSave
 
+        # Frozen AutoEP experts under ZeRO-3 (LoRA): DeepSpeed refuses them, the strategy saves them beside.
+        frozen = FrozenExpertSave.of(engine.module, filepath, stage_3=self.zero_stage_3,
+                                     excluded=self.exclude_frozen_parameters)
         if self.is_global_zero:
             begin_save(filepath)  # the other ranks wait in DeepSpeed's first barrier
+            frozen.begin()
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         try:
-            engine.save_checkpoint(filepath, client_state=state, tag="checkpoint", save_latest=False,
-                                   exclude_frozen_parameters=self.exclude_frozen_parameters)
+            with frozen.presented():
+                engine.save_checkpoint(filepath, client_state=state, tag="checkpoint", save_latest=False,
+                                       exclude_frozen_parameters=self.exclude_frozen_parameters)
+            #: The frozen-experts file this rank wrote at the last save (None: none, or another rank of its group).
+            self.frozen_experts_written = frozen.write()
         except Exception as err:
             if is_disk_full(err):
                 raise OSError(f"[{DISK_FULL}] rank {self.global_rank} could not write the checkpoint {filepath}: the "
                               f"disk is full or a size limit was hit ({type(err).__name__}: {err}). That directory is "
                               "incomplete and has no 'latest' file, so nothing will load it; other checkpoints are "
                               "untouched. Free space (or delete that directory) and save again.") from err
+            refusal = frozen.refusal(err)
+            if refusal is not None:
+                raise refusal from err
             raise
+        if frozen.active:
+            self.barrier("zeromoe_frozen_experts_written")
         if self.is_global_zero:
+            frozen.commit()
             self._write_export_meta(filepath)
             commit_save(filepath, "checkpoint")
         self.barrier("zeromoe_checkpoint_committed")
@@ -566,10 +580,13 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             self._load_checkpoint_for_evaluation(checkpoint_path)
 
+        from lightning_zeromoe.checkpoint import frozen_experts
+        from lightning_zeromoe.checkpoint.frozen_experts import FrozenExpertSave
         from lightning_zeromoe.checkpoint.resume import reshape as resume
 
         lightning_private.validate_checkpoint_directory(checkpoint_path)
         saved = resume.read_saved(checkpoint_path)
+        frozen_experts.check_saved(saved)
         stage = int(self.config.get("zero_optimization", {}).get("stage", self.options.stage))
         # The engine's own AutoEP layers say which ep_size runs (a config's autoep_size, or none when
         # every block fell back), not the ep_size asked for.
@@ -578,7 +595,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         blocks = {b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])}
         trainable = [n for n, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad]
         if not resume.plan_resume(saved, target, blocks, trainable):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            engine = self.deepspeed_engine
+            frozen = FrozenExpertSave.of(engine.module, checkpoint_path, stage_3=self.zero_stage_3, excluded=False)
+            with frozen.presented(saving=False):
+                client_state = super().load_checkpoint(checkpoint_path, weights_only)
+            frozen_experts.restore(engine.module, saved, self.config.get("expert_parallel"), self._block_layouts())
+            return client_state
         return resume.load_on_new_shape(
             self.deepspeed_engine, saved, target, ep_section=self.config.get("expert_parallel"),
             layouts=self._block_layouts(), is_global_zero=self.is_global_zero, broadcast=self.broadcast,

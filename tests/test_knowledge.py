@@ -106,6 +106,8 @@ def _from_sources() -> dict[str, list[str]]:
         "native-moe-gating-assert": [_source_message("deepspeed/moe/sharded_moe.py", "No. of tokens (batch-size)")],
         "ds-to-universal-mismatch": [_source_message("deepspeed/checkpoint/ds_to_universal.py",
                                                      "checkpoint model/optimizer rank sets do not match")],
+        "autoep-frozen-experts": [_source_message("deepspeed/checkpoint/ds_to_universal.py",
+                                                  "AutoEP frozen expert parameters cannot be converted")],
     }
 
 

@@ -8,6 +8,11 @@
   reads, set for one load of a universal checkpoint by an engine built without it.
 * ``runtime.config._REMOVED_TOP_LEVEL_CONFIG_KEYS`` / ``_REMOVED_ZERO_CONFIG_KEYS``: the keys
   DeepSpeed removed, with its own message, for ``lint``.
+* ``DeepSpeedEngine._autoep_expert_parameter_names`` and ``checkpoint.ds_to_universal
+  ._autoep_expert_param_info``: the AutoEP expert names DeepSpeed's ZeRO-3 save and its universal
+  converter expect in the optimizer's shards; frozen experts (which the strategy saves itself,
+  :mod:`lightning_zeromoe.checkpoint.frozen_experts`) are left out of them for one save or one
+  conversion (:func:`frozen_experts_presented`, :func:`frozen_experts_left_out_of_conversion`).
 
 DeepSpeed is imported inside each function: ``troubleshooter``'s start path must not load it.
 """
@@ -17,9 +22,10 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 NAMES = ("_external_params", "_init_external_params", "_is_autoep_layer", "_config",
+         "_autoep_expert_parameter_names", "_autoep_expert_param_info",
          "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS")
 
 
@@ -39,7 +45,21 @@ def missing() -> list[str]:
     if "self._config.load_universal_checkpoint" not in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint):
         gone.append("DeepSpeedEngine._config.load_universal_checkpoint")
     gone += [f"runtime.config.{name}" for name in NAMES[-2:] if not isinstance(getattr(ds_config, name, None), dict)]
-    return gone + autoep_api_changes()
+    return gone + frozen_expert_hooks_missing() + autoep_api_changes()
+
+
+def frozen_expert_hooks_missing() -> list[str]:
+    """What :func:`frozen_experts_presented` and :func:`frozen_experts_left_out_of_conversion` rely on
+    and the installed DeepSpeed lacks (empty: both work)."""
+    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    gone = []
+    if not isinstance(DeepSpeedEngine.__dict__.get("_autoep_expert_parameter_names"), staticmethod):
+        gone.append("DeepSpeedEngine._autoep_expert_parameter_names (a staticmethod)")
+    if not callable(getattr(ds_to_universal, "_autoep_expert_param_info", None)):
+        gone.append("deepspeed.checkpoint.ds_to_universal._autoep_expert_param_info")
+    return gone
 
 
 #: What the conversion probe calls of AutoEP (``module_inject/auto_ep*.py``, 0.19.8): a class or
@@ -121,6 +141,91 @@ def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
         yield
     finally:
         config.load_universal_checkpoint = previous
+
+
+@contextmanager
+def frozen_experts_presented(params: Mapping[str, Any], *, saving: bool) -> Iterator[None]:
+    """Let DeepSpeed 0.19.8 save (or load on the same shape) a ZeRO-3 engine whose AutoEP experts are
+    frozen; ``params``: those expert parameters by name. Nothing trains or computes in between.
+
+    DeepSpeed refuses the save (``runtime/engine.py``, ``_save_moe_checkpoint``: "AutoEP with ZeRO
+    Stage 3 checkpointing does not support frozen expert parameters yet") because its format keeps
+    AutoEP experts only in the optimizer's shards, which never hold frozen parameters. The strategy
+    writes them itself (:mod:`lightning_zeromoe.checkpoint.frozen_experts`); for the duration:
+
+    * each parameter's ``requires_grad`` reads True: the refusal's check passes, DeepSpeed leaves
+      them out of its frozen fragments on save (they are the strategy's to save) and out of the
+      frozen fragments it looks up on load (which would fail with a ``KeyError``);
+    * ``saving``: ``DeepSpeedEngine._autoep_expert_parameter_names`` leaves their names out, so the
+      save's cross-check against the optimizer's ``param_shapes`` (which never held them) passes.
+      (Not on load: there the names are the expert keys the module state may lack, which it does.)
+
+    The flags and the method are put back on exit, also when DeepSpeed raises. No forward or
+    backward runs inside: the optimizer's groups, built at ``deepspeed.initialize``, never see them.
+    """
+    if not params:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    gone = frozen_expert_hooks_missing()
+    if gone:
+        import deepspeed
+
+        raise RuntimeError(f"[autoep-frozen-experts] deepspeed {deepspeed.__version__} lacks {', '.join(gone)}, "
+                           "which saving frozen AutoEP experts under ZeRO-3 relies on; lightning_zeromoe is tested "
+                           "with deepspeed 0.19.8. Install deepspeed==0.19.8, or train the experts too.")
+    hidden = frozenset(params)
+    original = DeepSpeedEngine.__dict__["_autoep_expert_parameter_names"]
+
+    def without_frozen(autoep_layers: Any, model: Any) -> set[str]:
+        return set(original.__func__(autoep_layers, model)) - hidden
+
+    flipped = [p for p in params.values() if not p.requires_grad]
+    if saving:
+        DeepSpeedEngine._autoep_expert_parameter_names = staticmethod(without_frozen)
+    try:
+        for p in flipped:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p in flipped:
+            p.requires_grad_(False)
+        DeepSpeedEngine._autoep_expert_parameter_names = original
+
+
+@contextmanager
+def frozen_experts_left_out_of_conversion(names: Iterable[str]) -> Iterator[None]:
+    """Let ``ds_to_universal`` convert a checkpoint whose AutoEP experts ``names`` were frozen.
+
+    Its ``_validate_autoep_expert_shapes`` requires every AutoEP expert weight in the optimizer's
+    ``param_shapes`` ("AutoEP expert parameters are missing from rank R ZeRO param_shapes"); frozen
+    ones never are (the strategy saved them beside the shards). For the duration, the converter's
+    list of expert weights (``_autoep_expert_param_info``) leaves them out; everything else it
+    converts as before.
+    """
+    hidden = frozenset(names)
+    if not hidden:
+        yield
+        return
+    from deepspeed.checkpoint import ds_to_universal
+
+    original = ds_to_universal._autoep_expert_param_info
+
+    def without_frozen(autoep_metadata: Any) -> dict[str, Any]:
+        return {k: v for k, v in original(autoep_metadata).items() if k not in hidden}
+
+    ds_to_universal._autoep_expert_param_info = without_frozen
+    try:
+        yield
+    finally:
+        ds_to_universal._autoep_expert_param_info = original
+
+
+def is_frozen_expert_refusal(err: BaseException) -> bool:
+    """Whether ``err`` is DeepSpeed's refusal to save (or convert) frozen AutoEP experts under ZeRO-3."""
+    text = str(err)
+    return "does not support frozen expert" in text or "frozen expert parameters cannot be converted" in text
 
 
 def removed_config_keys() -> tuple[dict[str, str], dict[str, str]]:

@@ -100,7 +100,10 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
         buffers[name] = target
         shapes[target] = list(b.shape)
     for block in experts:
-        shapes.update(_target_shapes(block, layers[block.module_path]))
+        targets = _target_shapes(block, layers[block.module_path])
+        shapes.update(targets)
+        if not any(getattr(layers[block.module_path].experts, w).requires_grad for w in ("w1", "w2", "w3")):
+            frozen += list(targets)  # frozen experts (LoRA): saved beside the shards, checkpoint/frozen_experts.py
 
     tied = []
     for names in ids.values():

@@ -246,7 +246,36 @@ def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
     for name, parts in experts.items():
         total = layers[0][name.rsplit(".", 1)[0]]["num_experts"]
         out.tensors[name] = ExpertSource(name, int(total), tuple(parts))
+    _frozen_experts(tag_dir.parent, out, reader, [f"{k}.{w}" for k in layers[0] for w in ("w1", "w2", "w3")])
     return out
+
+
+def _frozen_experts(ckpt_dir: Path, out: Catalog, reader: Reader, expected: list[str]) -> None:
+    """Frozen AutoEP experts, which the strategy saves beside the shards (:mod:`.frozen_experts`):
+    each expert-parallel rank's ``[local experts, ...]`` tensor, a :class:`ModuleSource` of its file.
+    ``expected``: every AutoEP expert weight of the checkpoint (those not in the shards were frozen)."""
+    from lightning_zeromoe.checkpoint.frozen_experts import DIR, ENTRY_ID, FrozenExpertsError, manifest, pieces
+
+    frozen = [n for n in expected if n not in out.tensors]
+    if frozen and manifest(ckpt_dir) is None:
+        raise ExportError(ENTRY_ID, f"{ckpt_dir} has frozen AutoEP experts ({frozen[0]}, ...) but no {DIR}/ folder, "
+                          "where ZeroMoEStrategy saves them: copy the whole checkpoint directory, or export a "
+                          "checkpoint ZeroMoEStrategy saved.")
+    try:
+        found = pieces(ckpt_dir, trust_checkpoint=reader.trust_checkpoint)
+    except FrozenExpertsError as err:
+        raise ExportError(ENTRY_ID, str(err).removeprefix(f"[{ENTRY_ID}] ")) from None
+    parts: dict[str, list[tuple[tuple[int, ...], Source]]] = {}
+    totals: dict[str, int] = {}
+    for piece in found:
+        out.files.append(piece.file)
+        for name in piece.names:
+            block = name.rsplit(".experts.", 1)[0]
+            parts.setdefault(name, []).append((piece.experts[block], ModuleSource(piece.file, name)))
+            totals[name] = piece.num_experts[block]
+    for name, pieces_of in parts.items():
+        if name not in out.tensors:
+            out.tensors[name] = ExpertSource(name, totals[name], tuple(pieces_of))
 
 
 def _optim_states_of(model_states: Path) -> Path:

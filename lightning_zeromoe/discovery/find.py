@@ -60,6 +60,9 @@ def discover(root: nn.Module, pattern: MoEPattern | dict[str, Any] | None = None
         found = (from_hf_model(root) or from_hf_structure(root) or _from_self_described(root)
                  or _from_structure(root) or Discovery(source="none"))
     found.native_moe = native
+    from lightning_zeromoe.discovery.peft_blocks import adapted_blocks
+
+    found = found.without(adapted_blocks(root, [b.path for b in found.blocks]))  # LoRA inside a block: no EP
     if not found.blocks and not found.fallback:
         found.candidates = moe_like_names(root)
     return found

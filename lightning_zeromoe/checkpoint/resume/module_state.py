@@ -20,6 +20,7 @@ what                                       where the checkpoint keeps it
 persistent buffers                         rank 0's ``*_model_states.pt``, ``module`` (whole)
 frozen parameters, ZeRO-3                  every rank's ``frozen_param_fragments`` (rebuilt)
 frozen parameters, ZeRO-1/2                rank 0's ``module`` (whole)
+frozen AutoEP experts, ZeRO-3              ``zeromoe_frozen_experts/`` (:mod:`.checkpoint.frozen_experts`)
 trained then, frozen now                   the universal checkpoint's ``zero/<name>/fp32.pt``
 =========================================  ==================================================
 
@@ -143,7 +144,11 @@ def restore_module_state(module: torch.nn.Module, saved: SavedCheckpoint, target
     buffers_by_own = {_own(n, src_blocks): v for n, v in source.buffers.items()}
     frozen_by_own = {_own(n, src_blocks): v for n, v in source.frozen.items()}
 
-    restored_buffers, frozen, trained_then, missing = [], [], [], []
+    from lightning_zeromoe.checkpoint.frozen_experts import restore as restore_frozen_experts
+
+    experts = restore_frozen_experts(module, saved, target_ep_section, layouts, lambda: source.frozen)
+    skip = set(experts.restored) | set(experts.missing)
+    restored_buffers, frozen, trained_then, missing = [], list(experts.restored), [], list(experts.missing)
     for name, buffer in persistent_buffers(module).items():
         value = buffers_by_own.get(_own(name, tgt_blocks))
         if value is None or tuple(value.shape) != tuple(buffer.shape):
@@ -153,7 +158,7 @@ def restore_module_state(module: torch.nn.Module, saved: SavedCheckpoint, target
             buffer.copy_(value.to(dtype=buffer.dtype))
         restored_buffers.append(name)
     for name, param in module.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad or name in skip:
             continue
         shape = tuple(getattr(param, "ds_shape", param.shape))
         value = frozen_by_own.get(_own(name, tgt_blocks))

@@ -188,7 +188,11 @@ def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[i
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
             try:
                 log(f"converting {saved.path} ({saved.shape}) with deepspeed's ds_to_universal into {out}")
-                _run_ds_to_universal(saved.tag_dir, tmp / saved.tag)
+                from lightning_zeromoe.checkpoint.frozen_experts import source_frozen
+
+                # Frozen AutoEP experts live beside the shards (checkpoint.frozen_experts), not in them.
+                with ds_private.frozen_experts_left_out_of_conversion(source_frozen(saved)):
+                    _run_ds_to_universal(saved.tag_dir, tmp / saved.tag)
                 add_target_names(tmp, saved, target_params, target_ep_section, layouts, optional_params)
                 (tmp / MARKER).write_text(json.dumps({"source": _fingerprint(saved), "tag": saved.tag,
                                                       "saved_shape": str(saved.shape)}))
@@ -275,17 +279,21 @@ def load_on_new_shape(engine: Any, saved: SavedCheckpoint, target: Shape, *, ep_
     buffers and frozen parameters the universal load leaves out
     (:func:`lightning_zeromoe.checkpoint.resume.module_state.restore_module_state`).
     """
+    from lightning_zeromoe.checkpoint.frozen_experts import plans as frozen_expert_plans
     from lightning_zeromoe.checkpoint.resume.module_state import frozen_parameter_shapes, restore_module_state
 
     start = time.monotonic()
     trainable = {name: tuple(getattr(p, "ds_shape", p.shape))
                  for name, p in engine.module.named_parameters() if p.requires_grad}
+    # Frozen experts the checkpoint kept frozen come from their own files, not the universal tensors.
+    experts = frozen_expert_plans(engine.module, saved, ep_section, layouts)
+    optional = {n: s for n, s in frozen_parameter_shapes(engine.module).items() if n not in experts}
     outcome: list[Any] = [None, None, ""]  # universal dir, converted now, error message
     failure: BaseException | None = None
     if is_global_zero:
         try:
             outcome[0], outcome[1] = ensure_universal(saved, trainable, ep_section, log=info, layouts=layouts,
-                                                      optional_params=frozen_parameter_shapes(engine.module))
+                                                      optional_params=optional)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
             failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
     outcome = broadcast(outcome)  # the other ranks wait here for the conversion

@@ -97,6 +97,8 @@ def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: M
             written.append(dest.name)
     experts_prefix = f"{block}.{names.experts}."
     shapes = {n[len(experts_prefix):]: tuple(s) for n, s in target_params.items() if n.startswith(experts_prefix)}
+    if not shapes:  # the target's experts come from elsewhere (frozen then and now: checkpoint.frozen_experts)
+        return written
     targets = own_expert_names(names, len({n.split(".", 1)[0] for n in shapes}))  # per-expert modules: one per expert
     if all((zero / (experts_prefix + t) / "fp32.pt").is_file() for t in targets):
         return written

@@ -1,0 +1,237 @@
+"""PEFT LoRA with frozen experts under expert parallelism and ZeRO-3: save, resume, export.
+
+The common fine-tune of a large MoE: LoRA on attention (q_proj, v_proj), base weights and experts
+frozen, ``ZeroMoEStrategy(ep_size=2)``. DeepSpeed 0.19.8 alone refuses to save it
+(``tests/fixtures/tracebacks/real_autoep_frozen_experts.txt``); the strategy writes the frozen
+experts beside DeepSpeed's files (:mod:`lightning_zeromoe.checkpoint.frozen_experts`).
+
+One real 2-rank ``torchrun`` launch of ``tests/jobs/lora_ep_job.py`` (its docstring lists the runs:
+``A`` trains and saves with ``ep_size=2``; ``B`` resumes it on the same shape, ``C`` with
+``ep_size=1``, ``D`` resumes ``C``'s checkpoint with ``ep_size=2``, ``E`` resumes ``A``'s with
+AutoEP's layer at ``ep_size=1``, one expert-data-parallel group of 2 ranks). The resumed runs'
+models are built with other initial values (seed 1), so everything they hold after the load came
+from the checkpoint. Checked against a plain single-process PEFT run (no DeepSpeed, no Lightning,
+AdamW) over the batches each rank received, and against the seed-0 model's own tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.jobs import JOBS, REPO, free_port, job_env
+
+sys.path.insert(0, str(JOBS))
+import lora_ep_job as job  # noqa: E402
+
+#: fp32; measured at most 9.7e-8 relative (the order of the gradient reduction).
+RTOL = 2e-6
+#: Exported logits against the engine's; measured ~1e-7.
+ATOL = 1e-5
+CHAINS = {"A": "A", "B": "AB", "C": "AC", "D": "ACD", "E": "AE"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lora_ep")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(JOBS / "lora_ep_job.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    (out / "log.txt").write_text(proc.stdout + proc.stderr)
+    return out
+
+
+def _ranks(out: Path, run: str) -> list[dict]:
+    return [json.loads((out / run / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _steps(out: Path, run: str) -> dict[int, tuple[list[list[int]], float]]:
+    """step -> (each rank's sample indices, the global loss: the mean of the ranks' means)."""
+    a, b = _ranks(out, run)
+    return {s["step"]: ([s["indices"], t["indices"]], (s["loss"] + t["loss"]) / 2)
+            for s, t in zip(a["steps"], b["steps"])}
+
+
+def plain_peft_losses(batches: list[list[list[int]]]) -> list[float]:
+    """One process: the seed-0 PEFT model, AdamW over the trainable (LoRA) parameters; each step's
+    loss is the mean of each rank's sub-batch loss, as data parallelism averages gradients."""
+    from lightning_zeromoe.reference.models import SyntheticLMData
+
+    data = SyntheticLMData(num_samples=job.SAMPLES, seq_len=job.SEQ, vocab_size=job.VOCAB, seed=0).tokens
+    net = job.lora_model(0)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=job.LR, weight_decay=0.0)
+    losses = []
+    for per_rank in batches:
+        loss = sum(net(input_ids=data[i], labels=data[i], use_cache=False).loss for i in per_rank) / len(per_rank)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _seed_state(seed: int) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in job.lora_model(seed).named_parameters()}
+
+
+def _expected(reference: dict[str, torch.Tensor], name: str, local: dict[str, list[int]]) -> torch.Tensor:
+    """What a frozen parameter of the engine must hold, from the plain model's own tensors: AutoEP's
+    ``w1``/``w3`` (gate, up) are the halves of Mixtral's ``gate_up_proj [E, 2*ffn, hidden]``, ``w2``
+    its ``down_proj``, rows in the order of this rank's experts; its router is Mixtral's ``gate``."""
+    own = name.removeprefix("net.")
+    if ".experts.w" in own:
+        block, w = own.rsplit(".experts.", 1)
+        gate_up, down = reference[f"{block}.experts.gate_up_proj"], reference[f"{block}.experts.down_proj"]
+        ffn = gate_up.shape[1] // 2
+        return {"w1": gate_up[:, :ffn], "w3": gate_up[:, ffn:], "w2": down}[w][local[f"net.{block}"]]
+    return reference[own.replace(".router.gate.", ".gate.")]
+
+
+# ------------------------------------------------------------------ save
+
+
+def test_save_writes_frozen_experts_beside_deepspeeds_shards_once_per_group(runs):
+    reference = _seed_state(0)
+    ckpt = runs / "A" / "ckpt" / "step=2.ckpt"
+    assert (ckpt / "latest").is_file()
+    manifest = json.loads((ckpt / "zeromoe_frozen_experts" / "manifest.json").read_text())
+    assert manifest["ep_size"] == 2 and manifest["files"] == ["ep_rank_0.pt", "ep_rank_1.pt"]
+    assert len(manifest["names"]) == 6  # w1, w2, w3 of both layers
+    for r, ids in ((0, [0, 1]), (1, [2, 3])):
+        saved = torch.load(ckpt / "zeromoe_frozen_experts" / f"ep_rank_{r}.pt", weights_only=True)
+        assert saved["ep_rank"] == r and set(saved["module"]) == set(manifest["names"])
+        for name, tensor in saved["module"].items():
+            block = name.removeprefix("net.").rsplit(".experts.", 1)[0]
+            assert saved["experts"]["net." + block] == ids
+            assert torch.equal(tensor, _expected(reference, name, {"net." + block: ids})), name
+        # DeepSpeed's shards of the same rank hold no expert weight: neither as trained nor as frozen.
+        states = torch.load(ckpt / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt", weights_only=False)
+        held = {n for group in states["param_shapes"] for n in group} | set(states["frozen_param_shapes"])
+        assert not any(".experts.w" in n for n in held)
+    # Each rank wrote its own expert-parallel rank's file; with one group of 2 (E) only its first rank wrote.
+    written = [r["frozen_experts_written"].rsplit("/", 1)[-1] for r in _ranks(runs, "A")]
+    assert written == ["ep_rank_0.pt", "ep_rank_1.pt"]
+    e_ranks = _ranks(runs, "E")
+    assert e_ranks[0]["frozen_experts_written"].endswith("step=3.ckpt/zeromoe_frozen_experts/ep_rank_0.pt")
+    assert e_ranks[1]["frozen_experts_written"] == "None"
+    e_files = sorted(p.name for p in (runs / "E" / "ckpt" / "step=3.ckpt" / "zeromoe_frozen_experts").iterdir())
+    assert e_files == ["ep_rank_0.pt", "manifest.json"]
+    # Saving presented the frozen experts to DeepSpeed as trainable for a moment: nothing stayed so.
+    for run in "ABCDE":
+        for r in _ranks(runs, run):
+            assert r["trainable_after"] == r["trainable_before"]
+            assert r["trainable_before"] and all(".lora_" in n for n in r["trainable_before"])
+
+
+# ------------------------------------------------------------------ training and resume
+
+
+@pytest.mark.parametrize("run", list(CHAINS))
+def test_losses_match_a_plain_peft_run_over_the_same_batches(runs, run):
+    steps: dict[int, tuple[list[list[int]], float]] = {}
+    for part in CHAINS[run]:
+        steps.update(_steps(runs, part))
+    order = sorted(steps)
+    assert order == list(range(1, len(order) + 1))
+    reference = dict(zip(order, plain_peft_losses([steps[k][0] for k in order])))
+    ours = _steps(runs, run)
+    assert len(ours) >= 1
+    gaps = {k: abs(loss - reference[k]) / abs(reference[k]) for k, (_, loss) in ours.items()}
+    print(f"{run}: steps {sorted(ours)}, worst relative loss gap {max(gaps.values()):.1e}")
+    assert max(gaps.values()) < RTOL, gaps
+    if run != "A":  # a model that did not resume (trained from scratch on that batch) would be told apart
+        fresh = plain_peft_losses([steps[min(ours)][0]])[0]
+        assert abs(fresh - reference[min(ours)]) / abs(fresh) > 100 * RTOL
+
+
+@pytest.mark.parametrize("run", ["B", "C", "D", "E"])
+def test_resumed_frozen_parameters_equal_the_saved_ones_bit_for_bit(runs, run):
+    reference, other = _seed_state(0), _seed_state(1)
+    for r in (0, 1):
+        captured = torch.load(runs / run / f"frozen_rank{r}.pt", weights_only=True)
+        frozen, local = captured["frozen"], captured["local_experts"]
+        experts = [n for n in frozen if ".experts." in n]
+        assert len(experts) == (4 if run == "C" else 6), sorted(frozen)  # C: Mixtral's own gate_up_proj/down_proj
+        for name, value in frozen.items():
+            own = name.removeprefix("net.")
+            expected = reference[own] if own in reference else _expected(reference, name, local)
+            assert torch.equal(value, expected), f"{run} rank {r}: {name}"
+            # The model resumed was built with other values (all but the norms' ones): the check above can fail.
+            built = other[own] if own in other else _expected(other, name, local)
+            assert "norm" in name or not torch.equal(value, built), f"{run} rank {r}: {name} has its seed-1 value"
+        if run in ("B", "D"):
+            assert sorted(local.values()) == ([[0, 1], [0, 1]] if r == 0 else [[2, 3], [2, 3]])
+        if run == "E":
+            assert all(ids == [0, 1, 2, 3] for ids in local.values())
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_export_of_a_frozen_expert_checkpoint_loads_and_gives_the_trained_logits(runs, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(runs / "A" / "ckpt" / "step=6.ckpt"),
+                           str(out)], capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = [torch.load(runs / "A" / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
+    assert torch.allclose(engine[0]["logits"], engine[1]["logits"], atol=1e-6)
+    ids, logits = engine[0]["input_ids"], engine[0]["logits"]
+    merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    merged.eval()
+    with torch.no_grad():
+        diff_merged = (merged(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+    base = _plain_seed0_model()  # the frozen base the run started from (same seed), without the adapter
+    base.eval()
+    with torch.no_grad():
+        base_diff = (base(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+    state = load_file(out / "model.safetensors")
+    assert torch.equal(state["model.layers.1.mlp.experts.gate_up_proj"],
+                       _seed_state(0)["base_model.model.model.layers.1.mlp.experts.gate_up_proj"])
+    with_adapter = PeftModel.from_pretrained(_plain_seed0_model(), out / "adapter")
+    with_adapter.eval()
+    with torch.no_grad():
+        diff_adapter = (with_adapter(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+    print(f"export: max |merged - engine| = {diff_merged:.2e}, |base + adapter - engine| = {diff_adapter:.2e} "
+          f"(untrained base: {base_diff:.2e})")
+    assert diff_merged < ATOL and diff_adapter < ATOL and base_diff > 100 * ATOL
+    frozen = json.loads((out / "zeromoe_export.json").read_text())["frozen"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in frozen
+
+
+def _plain_seed0_model() -> torch.nn.Module:
+    import lightning as L
+
+    sys.path.insert(0, str(JOBS))
+    from train_hf import build_hf_model
+
+    L.seed_everything(0, verbose=False)
+    return build_hf_model("mixtral")
+
+
+def test_a_copy_without_its_frozen_experts_is_refused_by_resume_and_export(runs, tmp_path):
+    from lightning_zeromoe.checkpoint import frozen_experts
+    from lightning_zeromoe.checkpoint.resume.saved import read_saved
+    from troubleshooter import knowledge
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs / "A" / "ckpt" / "step=2.ckpt", copy, ignore=shutil.ignore_patterns("zeromoe_frozen_experts"))
+    with pytest.raises(frozen_experts.FrozenExpertsError, match=r"^\[autoep-frozen-experts\] .* no "
+                                                                 r"zeromoe_frozen_experts/manifest.json") as err:
+        frozen_experts.check_saved(read_saved(copy))  # what ZeroMoEStrategy.load_checkpoint runs first
+    assert knowledge.match(str(err.value))[0].entry.id == "autoep-frozen-experts"
+    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(copy), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
+    assert proc.returncode != 0 and "[autoep-frozen-experts]" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
