@@ -60,6 +60,7 @@ def discover(root: nn.Module, pattern: MoEPattern | dict[str, Any] | None = None
         found = (from_hf_model(root) or from_hf_structure(root) or _from_self_described(root)
                  or _from_structure(root) or Discovery(source="none"))
     found.native_moe = native
+    found.native_ep_sizes = {path: int(getattr(root.get_submodule(path), "ep_size", 1)) for path in native}
     if not found.blocks and not found.fallback:
         found.candidates = moe_like_names(root)
     return found
