@@ -43,6 +43,7 @@ from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.keywords import CONFIG_ENV_VAR, config_source, split_keywords
 from lightning_zeromoe.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
                                          use_deepspeed_cpu_accelerator)
+from lightning_zeromoe.autoep_wire import config_for_deepspeed
 from lightning_zeromoe.native_moe import native_ep, native_ep_sizes
 from lightning_zeromoe.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
                                        effective_grouped_experts, effective_stage,
@@ -432,7 +433,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         converts = False
         if self.discovery is not None and not _autoep_converted(model):
             config, converts = self._prove_conversion(config)
-        with lend_root_config(model, self.discovery.root_config if self.discovery else None):
+        root_config = self.discovery.root_config if self.discovery else None
+        # What DeepSpeed gets: no preset_model next to a re-rooted pattern when AutoEP picks that
+        # preset from the lent config itself (DeepSpeed warns about the pair; autoep_wire.py).
+        config = config_for_deepspeed(config, root_config)
+        with lend_root_config(model, root_config):
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
