@@ -8,7 +8,7 @@ recorded, with the same seed, optimizer, schedule, accumulation and clipping.
 
 from __future__ import annotations
 
-import json
+import functools
 import socket
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from troubleshooter import knowledge
-from jobs_util import JOBS, job_env, read_ranks, run, run_job
+from jobs_util import JOBS, job_env, read_ranks, run_job
 from lightning_zeromoe.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, BATCH, LR, WARMUP, CLIP = 6, 4, 3e-3, 3, 0.05
@@ -168,13 +168,19 @@ def test_validate_after_fit_and_from_checkpoint_equal_a_plain_eval(paths):
 NATIVE_RTOL = RTOL
 
 
-def _native_reference(ranks: list[dict]) -> list[float]:
+@functools.lru_cache(maxsize=1)
+def _native_job():
+    """tests/jobs/native_moe.py, whose PlainMoELM is the reference (loaded once; it imports no DeepSpeed)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("native_moe_job", JOBS / "native_moe.py")
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
-    return job.plain_reference(ranks, STEPS, LR)
+    return job
+
+
+def _native_reference(ranks: list[dict]) -> list[float]:
+    return _native_job().plain_reference(ranks, STEPS, LR)
 
 
 @pytest.mark.parametrize("name", ["native_s1", "native_s2"])
