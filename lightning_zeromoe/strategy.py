@@ -43,9 +43,11 @@ from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover
 from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, config_source, split_keywords
 from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
                                          use_deepspeed_cpu_accelerator)
+from lightning_zeromoe.config.autoep_wire import config_for_deepspeed
+from lightning_zeromoe.discovery.native_moe import native_ep, native_ep_sizes
 from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
-                                       effective_grouped_experts,
-                                       inference_config, resolve, zero_init_config)
+                                              effective_grouped_experts, effective_stage,
+                                              inference_config, resolve, user_section, zero_init_config)
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
 
 if TYPE_CHECKING:
@@ -74,7 +76,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             ``world_size / ep_size`` times. Must divide the world size and every layer's expert
             count. 1 disables expert parallelism (AutoEP is not applied, unless
             ``grouped_experts``). An ``expert_parallel.autoep_size`` in ``config`` wins (and is what
-            is validated).
+            is validated). Unset (``None``): 1, or, for a model of DeepSpeed's native
+            ``deepspeed.moe.layer.MoE`` layers, the ``ep_size`` they were built with (logged once).
+            Native layers set their expert parallelism themselves (``MoE(..., ep_size=N)``): the
+            strategy writes no AutoEP section for them and refuses an ``ep_size`` other than theirs
+            (:mod:`lightning_zeromoe.discovery.native_moe`).
         grouped_experts: At ``ep_size=1``, still replace each MoE block with AutoEP's layer
             (``autoep_size=1``: every rank holds every expert, no all-to-all), for its grouped-GEMM
             experts (``torch._grouped_mm``, bf16 on CUDA; elsewhere its per-expert loop): one GPU
@@ -133,7 +139,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     def __init__(
         self,
-        ep_size: int = 1,
+        ep_size: int | None = None,
         stage: int | str = 3,
         *,
         grouped_experts: bool = False,
@@ -160,7 +166,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             raise ValueError(f"stage={stage!r}: use 0, 1, 2, 3 or 'auto' (the memory planner picks the lowest that fits).")
         self.auto_stage = stage == "auto"
         self.options = ZeroOptions(
-            stage=3 if self.auto_stage else int(stage), ep_size=ep_size, offload_optimizer=offload_optimizer,
+            stage=3 if self.auto_stage else int(stage), ep_size=1 if ep_size is None else ep_size,
+            offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, pin_memory=pin_memory, overlap_comm=overlap_comm,
             contiguous_gradients=contiguous_gradients, reduce_bucket_size=int(reduce_bucket_size),
             allgather_bucket_size=int(allgather_bucket_size), prefetch_bucket_size=int(prefetch_bucket_size),
@@ -172,8 +179,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if from_env:
             rank_zero_info(f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}")
         self.user_config = load_user_config(source)
+        #: Whether ep_size was passed (unset: a native-MoE model's own size is used, native_moe.py).
+        self.ep_size_given = ep_size is not None
         # Needs no model: refuse enabled=false with ep_size > 1 (or grouped_experts) now, in the user's process.
-        effective_grouped_experts(grouped_experts, effective_ep_size(ep_size, self.user_config), self.user_config)
+        effective_grouped_experts(grouped_experts, effective_ep_size(self.options.ep_size, self.user_config),
+                                  self.user_config)
         self.moe_pattern = MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern
         self.discovery: Discovery | None = None
         #: The merged, validated config and the facts read from it; built once, in ``setup``.
@@ -207,6 +217,18 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         check_ep_divides_world(effective_ep_size(self.options.ep_size, self.user_config),
                                self.num_nodes * self.num_processes)
         super()._configure_launcher()
+
+    @override
+    def connect(self, model: Any) -> None:
+        # Each rank, before setup_environment creates the process group: native MoE layers built in
+        # the LightningModule's __init__ can be checked against ep_size now (one built in
+        # configure_model is checked in setup, before deepspeed.initialize creates its expert groups).
+        super().connect(model)
+        if not self.auto_stage and effective_stage(self.options.stage, False, self.user_config, None)[0] == 3:
+            return  # refused in setup with [native-moe-zero3], whatever the sizes
+        native_ep(native_ep_sizes(model), asked=effective_ep_size(self.options.ep_size, self.user_config)
+                  if self.ep_size_given else None, world_size=self.num_nodes * self.num_processes,
+                  user_expert_parallel=user_section(self.user_config, "expert_parallel"))
 
     @override
     def setup_environment(self) -> None:
@@ -290,7 +312,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                       accumulate_grad_batches=self._accumulate_grad_batches())
         self.resolved = resolve(self.options, world, self.discovery, auto_stage=self.auto_stage,
                                 choose_stage=lambda: self._choose_stage(module),
-                                keyword_sections=self._keyword_sections(), user=self.user_config)
+                                keyword_sections=self._keyword_sections(), user=self.user_config,
+                                ep_size_given=self.ep_size_given)
         self._resolved_for = module
         for warning in self.resolved.warnings:
             self._once.warn(warning)
@@ -410,7 +433,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         converts = False
         if self.discovery is not None and not _autoep_converted(model):
             config, converts = self._prove_conversion(config)
-        with lend_root_config(model, self.discovery.root_config if self.discovery else None):
+        root_config = self.discovery.root_config if self.discovery else None
+        # What DeepSpeed gets: no preset_model next to a re-rooted pattern when AutoEP picks that
+        # preset from the lent config itself (DeepSpeed warns about the pair; autoep_wire.py).
+        config = config_for_deepspeed(config, root_config)
+        with lend_root_config(model, root_config):
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)

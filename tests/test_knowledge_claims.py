@@ -554,6 +554,9 @@ CHECKED = {
     "zero3-aliased-weight": ["test_own_errors.py::test_pitfall_warnings_and_audit_messages_name_their_entry"],
     # entries from the strategy, export, resume, HF-architecture and explain work: each is
     # triggered for real (a real engine, a real CLI run, a real DeepSpeed error) in its own test
+    "native-moe-ep-size": ["test_own_errors.py::test_every_validation_error_names_its_entry",
+                           "test_strategy_paths.py::test_native_deepspeed_moe_ep2_matches_plain_pytorch"],
+    "autoep-frozen-experts": ["test_lora_ep.py::test_a_copy_without_its_frozen_experts_is_refused_by_resume_and_export"],
     "ep-disabled-by-config": ["test_resolve.py::test_enabled_false_with_ep_size_is_refused_at_construction"],
     "merged-config-invalid": ["test_resolve.py::test_invalid_user_stage_is_refused"],
     "offload-needs-ds-cpu-optimizer": [

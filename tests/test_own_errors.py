@@ -44,6 +44,9 @@ def _config_errors() -> list[ZeroMoEConfigError]:
         lambda: prepared(TinyMoEModule(), ep_size=2, moe_pattern=MoEPattern(block=r"model\.layers\.\d+\.mlp", top_k=8)),
         lambda: prepared(DenseModule(), ep_size=2),
         lambda: prepared(NativeMoEModule(), ep_size=1),
+        lambda: prepared(NativeMoEModule(ep_size=2), ep_size=1, stage=2),
+        lambda: prepared(NativeMoEModule(ep_size=1, second_ep_size=2), stage=2),
+        lambda: prepared(NativeMoEModule(ep_size=2), stage=2, config={"expert_parallel": {"enabled": True}}),
         lambda: prepared(TinyMoEModule(), ep_size=2, config={"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}),
         lambda: check_batch_arithmetic({"gradient_accumulation_steps": 4}, 2, 1),
         lambda: prepared(TinyMoEModule(), ep_size=2, moe_pattern=MoEPattern(block=r"model\.layers\.\d+\.mlp", top_k=0)),
@@ -74,7 +77,7 @@ def test_every_validation_error_names_its_entry():
     ids = set()
     for err in _config_errors():
         ids.add(_check(str(err), err.entry_id))
-    assert ids == {"ep-size-divisibility", "moe-top-k-range", "autoep-no-moe-layers", "native-moe-zero3",
+    assert ids == {"ep-size-divisibility", "moe-top-k-range", "autoep-no-moe-layers", "native-moe-zero3", "native-moe-ep-size",
                    "batch-arithmetic", "lightning-gradient-accumulation"}
 
 

@@ -62,6 +62,55 @@ def test_native_moe_is_allowed_under_stage2():
     assert "expert_parallel" not in strategy.config
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_native_moe_ep_size_matching_the_modules_writes_no_autoep_section(stage):
+    """ep_size=2 with MoE(ep_size=2) layers: accepted, and the expert groups are left to the layers."""
+    strategy = prepared(NativeMoEModule(ep_size=2), ep_size=2, stage=stage)
+    assert strategy.resolved.ep_size == 2 and not strategy.resolved.expert_parallel
+    assert "expert_parallel" not in strategy.config
+    assert not any("ep_size=2, from the model" in n for n in strategy.resolved.notes)  # asked for, not taken
+
+
+def test_native_moe_ep_size_left_unset_takes_the_modules_and_says_so():
+    strategy = prepared(NativeMoEModule(ep_size=2), stage=2)
+    assert strategy.resolved.ep_size == 2 and "expert_parallel" not in strategy.config
+    [note] = [n for n in strategy.resolved.notes if "native deepspeed.moe.layer.MoE" in n]
+    assert note.startswith("ZeroMoEStrategy: ep_size=2, from the model's 1 native deepspeed.moe.layer.MoE module(s) ('moe')")
+
+
+@pytest.mark.parametrize("module, kwargs, message", [
+    (lambda: NativeMoEModule(ep_size=2), {"ep_size": 1},
+     r"^\[native-moe-ep-size\] ZeroMoEStrategy\(ep_size=1\), but the model's 1 native deepspeed.moe.layer.MoE "
+     r"module\(s\) \('moe'\) were built with ep_size=2, .*Pass ZeroMoEStrategy\(ep_size=2\) or leave ep_size unset"),
+    (lambda: NativeMoEModule(ep_size=1), {"ep_size": 2},
+     r"^\[native-moe-ep-size\] ZeroMoEStrategy\(ep_size=2\), but .* built with ep_size=1"),
+    (lambda: NativeMoEModule(ep_size=1, second_ep_size=2), {},
+     r"^\[native-moe-ep-size\] .*different ep_size values \(ep_size=1: 'moe'; ep_size=2: 'moe2'\).*MoE\(\.\.\., ep_size=N\)"),
+    (lambda: NativeMoEModule(ep_size=4), {},
+     r"^\[ep-size-divisibility\] the model's native .* built with ep_size=4, which does not divide the world size 2 .*\[1, 2\]"),
+    (lambda: NativeMoEModule(ep_size=2), {"config": {"expert_parallel": {"enabled": True, "autoep_size": 2}}},
+     r"^\[native-moe-ep-size\] your DeepSpeed config has an expert_parallel \(AutoEP\) section"),
+])
+def test_native_moe_ep_size_mismatch_is_refused_at_connect_before_any_process_group(module, kwargs, message):
+    """Refused in ``connect`` (each rank, before ``setup_environment`` creates the process group),
+    and the same in ``prepare`` (``setup``) for layers built in ``configure_model``."""
+    strategy = ZeroMoEStrategy(stage=2, **kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    model = module()
+    model.trainer = trainer
+    with pytest.raises(ZeroMoEConfigError, match=message) as err:
+        strategy.connect(model)
+    assert "\n" not in str(err.value)
+    strategy._lightning_module = model  # as if the layers had been built in configure_model
+    with pytest.raises(ZeroMoEConfigError, match=message):
+        strategy.prepare()
+
+
+def test_native_moe_under_stage3_is_refused_as_before_whatever_the_ep_size():
+    with pytest.raises(ZeroMoEConfigError, match=r"^\[native-moe-zero3\]"):
+        prepared(NativeMoEModule(ep_size=2), ep_size=1)
+
+
 def test_batch_arithmetic_mismatch():
     config = {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}
     with pytest.raises(ZeroMoEConfigError, match=r"train_batch_size=10 but .* 4 x 1 x 2 = 8"):

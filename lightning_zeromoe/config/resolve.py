@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config, zero_stage
 from lightning_zeromoe.discovery.find import Discovery
+from lightning_zeromoe.discovery.native_moe import native_ep
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 
 
@@ -143,16 +144,28 @@ def grouped_mm_applies(on_cpu: bool, precision: str) -> bool:
 def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto_stage: bool = False,
             choose_stage: Callable[[], tuple[int, str]] | None = None,
             keyword_sections: Mapping[str, Any] | None = None,
-            user: Mapping[str, Any] | None = None) -> ResolvedConfig:
-    """Build, merge and validate the DeepSpeed config. Raises :class:`ZeroMoEConfigError` on bad input."""
+            user: Mapping[str, Any] | None = None, ep_size_given: bool = True) -> ResolvedConfig:
+    """Build, merge and validate the DeepSpeed config. Raises :class:`ZeroMoEConfigError` on bad input.
+
+    ``ep_size_given``: whether the user passed ``ep_size`` (False: left unset, and a model of native
+    ``deepspeed.moe.layer.MoE`` layers trains with their own size; see :mod:`lightning_zeromoe.discovery.native_moe`).
+    """
     found = found or Discovery(source="none")
     notes: list[str] = []
     ep_size = effective_ep_size(options.ep_size, user)
-    asked = options.grouped_experts
-    grouped = effective_grouped_experts(asked, ep_size, user)
     stage, why = effective_stage(options.stage, auto_stage, user, choose_stage)
     if why:
         notes.append(why)
+    native = None
+    if stage != 3:  # under stage 3, check_layout refuses native MoE outright ([native-moe-zero3])
+        native = native_ep(found.native_ep_sizes, asked=ep_size if ep_size_given else None,
+                           world_size=world.world_size, user_expert_parallel=user_section(user, "expert_parallel"))
+    if native is not None:
+        ep_size = native.ep_size
+        if native.note:
+            notes.append(native.note)
+    asked = options.grouped_experts
+    grouped = effective_grouped_experts(asked, ep_size, user)
     try:
         options = dataclasses.replace(options, stage=stage, ep_size=ep_size, grouped_experts=grouped)
     except ValueError as err:
@@ -160,7 +173,8 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     layout = Layout(world_size=world.world_size, devices_per_node=world.devices_per_node, ep_size=ep_size,
                     stage=stage, precision=world.precision, grouped_experts=grouped)
     warnings = check_layout(layout, found)
-    locate = found.autoep if (found.blocks and converts_blocks(options)) else None
+    # Native MoE layers set up their own expert groups: no AutoEP section then (native_moe.py).
+    locate = found.autoep if (found.blocks and converts_blocks(options) and not found.native_moe) else None
     use_grouped_mm = grouped_mm_applies(world.on_cpu, world.precision)
     if grouped and ep_size == 1:
         notes.append(grouped_note(asked, use_grouped_mm))

@@ -68,7 +68,9 @@ def _check_native_moe(layout: Layout, found: Discovery) -> None:
 
 
 def _check_blocks_found(layout: Layout, found: Discovery) -> None:
-    if (layout.ep_size > 1 or layout.grouped_experts) and not found.blocks and not found.fallback:
+    # Native deepspeed.moe.layer.MoE layers carry their own ep_size (lightning_zeromoe.discovery.native_moe).
+    wants_blocks = layout.grouped_experts or (layout.ep_size > 1 and not found.native_moe)
+    if wants_blocks and not found.blocks and not found.fallback:
         where = "\n  ".join(found.candidates) or "(no module name mentions moe/expert/router/gate)"
         asked = f"ep_size={layout.ep_size}" if layout.ep_size > 1 else "grouped_experts=True"
         raise ZeroMoEConfigError(
@@ -90,7 +92,8 @@ def check_ep_divides_world(ep_size: int, world_size: int) -> None:
 
 def _check_experts(layout: Layout, found: Discovery) -> None:
     for block in found.blocks:
-        if block.num_experts % layout.ep_size:
+        # With native MoE layers AutoEP converts nothing (native_moe.py), so ep_size splits no block.
+        if block.num_experts % layout.ep_size and not found.native_moe:
             raise ZeroMoEConfigError(
                 f"[ep-size-divisibility] ep_size={layout.ep_size} does not divide num_experts={block.num_experts} in '{block.path}': "
                 f"each rank of an expert-parallel group must own the same number of experts. "

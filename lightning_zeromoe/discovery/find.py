@@ -63,6 +63,7 @@ def discover(root: nn.Module, pattern: MoEPattern | dict[str, Any] | None = None
     from lightning_zeromoe.discovery.peft_blocks import adapted_blocks
 
     found = found.without(adapted_blocks(root, [b.path for b in found.blocks]))  # LoRA inside a block: no EP
+    found.native_ep_sizes = {path: int(getattr(root.get_submodule(path), "ep_size", 1)) for path in native}
     if not found.blocks and not found.fallback:
         found.candidates = moe_like_names(root)
     return found

@@ -1,22 +1,28 @@
 """A tiny LM around DeepSpeed's native ``deepspeed.moe.layer.MoE`` (the seeds' path at ZeRO stage 1/2).
 
-Imported by ``strategy_paths.py`` for the 2-rank runs; run as a script it is the plain
-single-process reference: the same model with ``ep_size=1`` (all experts local) in a 1-rank gloo
-group, no engine, no Lightning, trained on the batches the ranks recorded::
-
-    python tests/jobs/native_moe.py --reference DIR/native_s1 DIR/native_s2 --steps 6
+Imported by ``strategy_paths.py`` for the 2-rank runs (``MoE(..., ep_size=2)``: each rank holds 2 of
+the 4 experts), and by ``tests/test_strategy_paths.py`` for the reference: :class:`PlainMoELM`, the
+same model in plain PyTorch (no DeepSpeed, no Lightning, no process group), all 4 experts local,
+trained on the batches the ranks recorded.
 
 Gating is top-1 with ``drop_tokens=False`` and ``use_rts=False``: no token is dropped and nothing
-is random, so a rank's forward pass equals the reference's on that rank's half of the batch. The
-aux loss ``l_aux`` is not linear in the batch, so the reference averages the per-rank losses, which
-is exactly the loss whose gradient data-parallel training averages.
+is random, so DeepSpeed's ``top1gating`` reduces to: softmax of the fp32 gate logits, the argmax
+expert, output = its probability x that expert's output, and ``l_aux = E * sum_e mean_s(p_se) *
+mean_s(1[e chosen for s])`` over one rank's tokens (deepspeed 0.19.8 ``moe/sharded_moe.py``).
+:class:`PlainMoELM` writes that out. The aux loss is not linear in the batch, so the reference
+averages the per-rank losses, which is exactly the loss whose gradient data-parallel training
+averages.
+
+Every weight is drawn from its own seeded generator, the experts' by their *global* index
+(``ep_rank * num_local_experts + i``): the two runs start equal whatever order DeepSpeed builds
+things in, and the experts differ from one another from step 0, so an expert on the wrong rank
+or a token sent to the wrong expert shows in the first loss.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+import math
+import os
 
 import lightning as L
 import torch
@@ -29,16 +35,49 @@ VOCAB, HIDDEN, EXPERTS, SEQ = 128, 32, 4, 17
 AUX_WEIGHT, BATCH = 0.01, 4
 
 
+def _seeded(tensor: torch.Tensor, seed: int, *, normal: bool = False) -> None:
+    """Fill ``tensor`` from generator ``seed``: N(0, 1) (embedding init) or U(+-1/sqrt(fan_in)) (Linear's)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if normal:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen))
+        else:
+            bound = 1.0 / math.sqrt(tensor.shape[-1] if tensor.dim() > 1 else HIDDEN)
+            tensor.copy_((torch.rand(tensor.shape, generator=gen) * 2 - 1) * bound)
+
+
+def expert_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+
+
+def init_shared(embed: nn.Embedding, gate_weight: torch.Tensor, head: nn.Linear) -> None:
+    _seeded(embed.weight, 1, normal=True)
+    _seeded(gate_weight, 2)
+    _seeded(head.weight, 3)
+    _seeded(head.bias, 4)
+
+
+def init_expert(expert: nn.Sequential, global_index: int) -> None:
+    for k, param in enumerate([expert[0].weight, expert[0].bias, expert[2].weight, expert[2].bias]):
+        _seeded(param, 100 + 10 * global_index + k)
+
+
 class NativeMoELM(nn.Module):
     def __init__(self, ep_size: int) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        expert = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
-        self.moe = MoE(hidden_size=HIDDEN, expert=expert, num_experts=EXPERTS, ep_size=ep_size, k=1,
+        self.moe = MoE(hidden_size=HIDDEN, expert=expert_mlp(), num_experts=EXPERTS, ep_size=ep_size, k=1,
                        min_capacity=0, drop_tokens=False, use_rts=False)
         self.head = nn.Linear(HIDDEN, VOCAB)
+        # DeepSpeed's expert groups are blocks of ep_size consecutive ranks: ep rank = rank % ep_size.
+        ep_rank = int(os.environ.get("RANK", "0")) % ep_size
+        inner = self.moe.deepspeed_moe
+        init_shared(self.embed, inner.gate.wg.weight, self.head)
+        local = inner.experts.deepspeed_experts
+        for i, expert in enumerate(local):
+            init_expert(expert, ep_rank * len(local) + i)
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.embed(input_ids)
@@ -76,41 +115,51 @@ class NativeMoEModule(L.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=False, drop_last=True)
 
 
-def reference(run_dir: Path, steps: int, lr: float) -> list[float]:
-    """Plain loop: same seed, ep_size=1, each step the mean of the two ranks' losses on their batches."""
-    import os
-    import socket
+class PlainMoELM(nn.Module):
+    """:class:`NativeMoELM` in plain PyTorch: every expert local, DeepSpeed's top-1 gating written out."""
 
-    import deepspeed
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(expert_mlp() for _ in range(EXPERTS))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        init_shared(self.embed, self.gate.weight, self.head)
+        for index, expert in enumerate(self.experts):
+            init_expert(expert, index)
 
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                      DS_ACCELERATOR="cpu")
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed("gloo")  # the MoE layer's groups live in deepspeed.comm
-    L.seed_everything(0, verbose=False)
-    model = NativeMoELM(ep_size=1)
-    model.moe.set_deepspeed_parallelism()
-    data = SyntheticLMData(BATCH * 2 * steps, SEQ, VOCAB, seed=0)
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.embed(input_ids)
+        x = h.reshape(-1, HIDDEN)
+        probs = F.softmax(F.linear(x.float(), self.gate.weight.float()), dim=1)
+        chosen = probs.argmax(dim=1)
+        mask = F.one_hot(chosen, EXPERTS)
+        l_aux = (probs.mean(dim=0) * mask.float().mean(dim=0)).sum() * EXPERTS
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (chosen == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]))
+        out = out * (probs * mask).sum(dim=1, keepdim=True)
+        return self.head(h + out.reshape(h.shape)), l_aux
+
+
+def plain_loss(model: PlainMoELM, input_ids: torch.Tensor) -> torch.Tensor:
+    logits, l_aux = model(input_ids[:, :-1])
+    task = F.cross_entropy(logits.flatten(0, 1).float(), input_ids[:, 1:].flatten())
+    return task + AUX_WEIGHT * l_aux
+
+
+def plain_reference(ranks: list[dict], steps: int, lr: float = 3e-3) -> list[float]:
+    """The plain loop: each step the mean of the ranks' losses on the batches they recorded, AdamW."""
+    model = PlainMoELM()
+    data = SyntheticLMData(BATCH * len(ranks) * steps, SEQ, VOCAB, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for k in range(steps):
-        halves = [native_loss(model, data.tokens[r["steps"][k]["indices"]]) for r in ranks]
-        loss = torch.stack(halves).mean()
+        loss = torch.stack([plain_loss(model, data.tokens[r["steps"][k]["indices"]]) for r in ranks]).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reference", type=Path, required=True, nargs="+", help="run directories")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
-    print(json.dumps({str(d): reference(d, args.steps, args.lr) for d in args.reference}))

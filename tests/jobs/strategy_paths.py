@@ -19,8 +19,9 @@ Runs (name: what it does):
   bf16_true    stage=3, ep_size=2, precision="bf16-true"
   bf16_mixed   stage=3, ep_size=2, precision="bf16-mixed"
   s3_val       stage=3, ep_size=2: fit, save; validate, test, predict after fit; fresh Trainer validate(ckpt_path=...)
-  native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layer), stage=1
-  native_s2    the same at stage=2
+  native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layers), stage=1, ZeroMoEStrategy's ep_size left
+               unset (taken from the layers)
+  native_s2    the same at stage=2 with ZeroMoEStrategy(ep_size=2)
   grouped      stage=3, ep_size=1, grouped_experts=True (AutoEP's layer, autoep_size=1): fit, save; a fresh
                Trainer with other initial weights resumes from the checkpoint for 2 more steps
   nodes        stage=3, ep_size=2 (for the two-"node" launch)
@@ -107,6 +108,11 @@ class Recorder(L.Callback):
             "groups": [{"moe": bool(g.get("moe")), "name": g.get("name"), "n": len(g["params"])}
                        for g in inner.param_groups],
             "expert_parallel": trainer.strategy.config.get("expert_parallel", {}).get("enabled", False),
+            "has_expert_parallel_section": "expert_parallel" in trainer.strategy.config,
+            "strategy_ep_size": trainer.strategy.resolved.ep_size,
+            "ep_size_given": trainer.strategy.ep_size_given,
+            "native_local_experts": {n: int(m.num_local_experts) for n, m in engine.module.named_modules()
+                                     if type(m).__module__ == "deepspeed.moe.layer"},
             "autoep_layers": autoep_layers(engine.module),
             "held": {n: [getattr(p, "ds_tensor", p).numel(), list(getattr(p, "ds_shape", p.shape))]
                      for n, p in engine.module.named_parameters() if ".experts." in n},
@@ -141,7 +147,7 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
     epoch_steps = steps
     if name.startswith("native"):
         module = NativeMoEModule(ep_size=2, batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
-        strategy_kwargs = {"ep_size": 1, "stage": int(name[-1])}
+        strategy_kwargs = {"stage": int(name[-1])} | ({"ep_size": 2} if name == "native_s2" else {})
     else:
         if name == "accum_clip":
             trainer_kwargs.update(accumulate_grad_batches=2, gradient_clip_val=0.05)

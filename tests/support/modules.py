@@ -29,11 +29,15 @@ class DenseModule(L.LightningModule):
 
 
 class NativeMoEModule(L.LightningModule):
-    def __init__(self) -> None:
+    """DeepSpeed's native ``deepspeed.moe.layer.MoE`` layer(s), built with the given ``ep_size``."""
+
+    def __init__(self, ep_size: int = 1, second_ep_size: int | None = None) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1, k=1)
+        self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=4, ep_size=ep_size, k=1)
+        if second_ep_size is not None:
+            self.moe2 = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=4, ep_size=second_ep_size, k=1)
 
 
 class MovesItself(nn.Module):
