@@ -16,7 +16,7 @@ CHECKED_AGAINST = {
     "deepspeed": "0.19.8",
     "lightning": "2.6.6",
     "torch": "2.13.0",
-    "transformers": "5.22.2",
+    "transformers": "5.24.0",
 }
 
 #: The earliest DeepSpeed with AutoEP under ZeRO-3 that this project is tested against.
@@ -53,6 +53,9 @@ class KnownBadCombination(NamedTuple):
     with_version: str  # the exact version the failure was measured with
     symptom: str
     fix: str
+    #: How lightning_zeromoe itself avoids the failure ("" when it does not): the combination then
+    #: fails only outside ZeroMoEStrategy.
+    handled_by: str = ""
 
 
 KNOWN_BAD_COMBINATIONS = (
@@ -65,6 +68,8 @@ KNOWN_BAD_COMBINATIONS = (
         symptom="TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3 were given "
         "(raised by deepspeed.initialize when AutoEP converts a Hugging Face MoE model)",
         fix="pip install 'transformers>=5.17,<5.23' (5.17.0, 5.20.2 and 5.22.2 were measured to work)",
+        handled_by="ZeroMoEStrategy runs deepspeed.initialize inside autoep_output_capture_shim "
+        "(lightning_zeromoe/_private/deepspeed.py); 5.23.0 and 5.24.0 were measured to train under it",
     ),
 )
 

@@ -36,6 +36,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zeromoe._private import lightning as lightning_private
+from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
 from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API  # noqa: F401 - re-exported (tests)
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
 from lightning_zeromoe.config.deepspeed import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
@@ -437,7 +438,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         # What DeepSpeed gets: no preset_model next to a re-rooted pattern when AutoEP picks that
         # preset from the lent config itself (DeepSpeed warns about the pair; autoep_wire.py).
         config = config_for_deepspeed(config, root_config)
-        with lend_root_config(model, root_config):
+        with lend_root_config(model, root_config), \
+                autoep_output_capture_shim():  # transformers >= 5.23 with deepspeed 0.19.8's AutoEP
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
                 model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)

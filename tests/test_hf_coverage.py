@@ -18,7 +18,9 @@ and under the fallback, and must finish.
 The coverage table in README.md (between the ``coverage`` markers) is generated from the run:
 the test fails if the committed table differs. Regenerate with
 ``ZEROMOE_WRITE_COVERAGE=1 pytest tests/test_hf_coverage.py``. Families that the installed
-transformers registers but ``hf_zoo`` has no tiny config for are listed as untested.
+transformers registers but ``hf_zoo`` has no tiny config for are listed as untested. The table
+names the transformers and deepspeed it was generated with; under other versions (the floor
+transformers, say) the comparison is skipped, not the runs.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from support.hf_zoo import ARCHS, REFUSED, moe_model_types
+from support.hf_zoo import ARCHS, FAILING, REFUSED, moe_model_types
 from support.jobs import JOBS, REPO, free_port, job_env
 
 import subprocess
@@ -50,6 +52,10 @@ TIMEOUT_S = 900
 #: (AFMoE's expert_bias, which the universal checkpoint drops), a buffer bias with shared experts
 #: (DeepSeek-V3), a gated shared expert (Qwen2-MoE).
 RESUMED = ("hunyuan_v1_moe", "afmoe", "deepseek_v3", "qwen2_moe")
+#: A subset for a short run, e.g. ``ZEROMOE_ZOO_ARCHS="mixtral qwen3_moe"`` (CI's smoke run on the
+#: oldest supported transformers): only those families, no README comparison.
+SELECTED = tuple(os.environ.get("ZEROMOE_ZOO_ARCHS", "").split()) or ARCHS
+UNEVEN = tuple(u for u in ("olmoe:1", "gpt_oss:2") if u.split(":")[0] in SELECTED)
 
 
 def _launch(out: Path, *args: str) -> dict[str, Any]:
@@ -66,8 +72,8 @@ def _launch(out: Path, *args: str) -> dict[str, Any]:
 def launch(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch: every family at parity and exported, then the uneven-routing runs."""
     out = tmp_path_factory.mktemp("zoo")
-    return _launch(out, "--uneven", "olmoe:1", "gpt_oss:2", "--export", str(out / "export"),
-                   "--resume", *(f"{arch}:1" for arch in RESUMED))
+    return _launch(out, "--archs", *SELECTED, "--uneven", *UNEVEN, "--export", str(out / "export"),
+                   "--resume", *(f"{arch}:1" for arch in RESUMED if arch in SELECTED))
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,8 @@ def _rel(a: float, b: float) -> float:
 
 def _verdict(result: dict[str, Any]) -> str:
     """What a user of this family gets, in the README's words."""
+    if result["arch"] in FAILING:
+        return f"fails: {FAILING[result['arch']][1]}"
     if result["arch"] in REFUSED:
         entry, why = REFUSED[result["arch"]]
         return f"refused at setup (`[{entry}]`): {why}; train it with `ep_size=1`"
@@ -96,10 +104,14 @@ def _verdict(result: dict[str, Any]) -> str:
 
 
 def test_every_family_trains_at_parity(zoo: dict[str, Any]) -> None:
-    assert sorted(zoo) == sorted(ARCHS)
-    errors = {arch: r["error"] for arch, r in zoo.items() if "error" in r and arch not in REFUSED}
+    assert sorted(zoo) == sorted(SELECTED)
+    errors = {arch: r["error"] for arch, r in zoo.items()
+              if "error" in r and arch not in REFUSED and arch not in FAILING}
     assert not errors, errors
-    for arch, (entry, _) in REFUSED.items():  # refused before any engine, with the entry id and the way out
+    for arch, (where, _) in ((a, f) for a, f in FAILING.items() if a in SELECTED):  # still failing, as recorded
+        assert where in zoo[arch].get("trace", ""), f"{arch} no longer fails as hf_zoo.FAILING says: {zoo[arch]}"
+    for arch, (entry, _) in ((a, r) for a, r in REFUSED.items() if a in SELECTED):
+        # refused before any engine, with the entry id and the way out
         assert zoo[arch].get("error", "").startswith(f"ZeroMoEConfigError: [{entry}]"), zoo[arch]
         assert "ep_size=1" in zoo[arch]["error"], zoo[arch]["error"]
     worst = 0.0
@@ -126,7 +138,9 @@ def test_resume_without_expert_parallelism_continues_the_plain_run(zoo: dict[str
     """A new Trainer, other initial weights, ep_size=1, ``fit(ckpt_path=...)`` of the ep_size=2
     checkpoint: both resumed steps equal the plain run continued on the same batches (the second
     one also proves the optimizer state came back)."""
-    for arch in RESUMED:
+    if not set(RESUMED) & set(SELECTED):
+        pytest.skip("ZEROMOE_ZOO_ARCHS selects none of the resumed families")
+    for arch in (a for a in RESUMED if a in SELECTED):
         result = zoo[arch]
         for rank in (0, 1):
             got, want = result["per_rank_resumed"][rank], result["reference"][rank][2:]
@@ -136,8 +150,8 @@ def test_resume_without_expert_parallelism_continues_the_plain_run(zoo: dict[str
 
 
 def trained(zoo: dict[str, Any]) -> dict[str, Any]:
-    """The families that train (all but the refused ones)."""
-    return {arch: result for arch, result in zoo.items() if arch not in REFUSED}
+    """The families that train (all but the refused and the failing ones)."""
+    return {arch: result for arch, result in zoo.items() if arch not in REFUSED and arch not in FAILING}
 
 
 def test_replaced_blocks_are_exactly_the_ep_blocks_and_the_rest_are_leaves(zoo: dict[str, Any]) -> None:
@@ -148,7 +162,7 @@ def test_replaced_blocks_are_exactly_the_ep_blocks_and_the_rest_are_leaves(zoo: 
         assert result["leaf_blocks"] == sorted(p for p, _ in result["fallback"] if "attention" not in p), arch
         assert result["ep_blocks"] or result["fallback"], f"{arch}: no MoE block found at all"
     with_ep = [arch for arch, r in trained(zoo).items() if r["converted"]]
-    assert len(with_ep) >= 20, f"only {len(with_ep)} families convert: {with_ep}"
+    assert len(with_ep) >= 20 or SELECTED != ARCHS, f"only {len(with_ep)} families convert: {with_ep}"
 
 
 def _export_problems(arch: str, result: dict[str, Any]) -> list[str]:
@@ -176,14 +190,21 @@ def test_every_family_exports_to_a_directory_from_pretrained_loads(zoo: dict[str
         assert any(f.endswith(".safetensors") for f in result["export"]["files"]), arch
 
 
+def _generated_with() -> str:
+    import deepspeed
+    import transformers
+
+    return f"Generated with transformers {transformers.__version__} and deepspeed {deepspeed.__version__}."
+
+
 def coverage_table(zoo: dict[str, Any]) -> str:
-    rows = ["| model_type | HF class | what you get under `ZeroMoEStrategy(ep_size=2)` | `zeromoe-export` |",
+    rows = [_generated_with(), "", "| model_type | HF class | what you get under `ZeroMoEStrategy(ep_size=2)` | `zeromoe-export` |",
             "|---|---|---|---|"]
     for arch in sorted(set(moe_model_types()) | set(zoo)):
         result = zoo.get(arch)
         if result is None:
             rows.append(f"| {arch} | | untested: no tiny config in tests/support/hf_zoo.py | |")
-        elif arch in REFUSED:
+        elif arch in REFUSED or arch in FAILING:
             rows.append(f"| {arch} | | {_verdict(result)} | |")
         else:
             export = "loads with `from_pretrained`, same logits" if not _export_problems(arch, result) else "fails"
@@ -192,6 +213,8 @@ def coverage_table(zoo: dict[str, Any]) -> str:
 
 
 def test_readme_coverage_table_is_what_the_run_produced(zoo: dict[str, Any]) -> None:
+    if SELECTED != ARCHS:
+        pytest.skip(f"ZEROMOE_ZOO_ARCHS selects {len(SELECTED)} of {len(ARCHS)} families")
     table = coverage_table(zoo)
     text = README.read_text()
     assert START in text and END in text, f"README.md has no {START} ... {END} block"
@@ -200,6 +223,12 @@ def test_readme_coverage_table_is_what_the_run_produced(zoo: dict[str, Any]) -> 
     fresh = f"{head}{START}\n{table}\n{END}{tail}"
     if os.environ.get("ZEROMOE_WRITE_COVERAGE") == "1":
         README.write_text(fresh)
+        text = fresh
+    committed = text.split(START, 1)[1].split(END, 1)[0].strip().splitlines()[0]
+    if committed != _generated_with():
+        # Another transformers has other types (5.23 and 5.24 added six): the table is for the one CI
+        # installs, the newest the `test` extra allows. The families above still ran and were checked.
+        pytest.skip(f"README's table says '{committed}', this run: '{_generated_with()}'")
     assert fresh == text, ("README.md's coverage table differs from this run; regenerate it with "
                            "ZEROMOE_WRITE_COVERAGE=1 pytest tests/test_hf_coverage.py and commit it.\n" + table)
 
@@ -209,7 +238,9 @@ def test_uneven_routing_finishes_under_ep1_and_under_the_fallback(launch: dict[s
     EP (olmoe at ep_size=1, gpt_oss's fallback at ep_size=2) must still finish, with the MoE
     blocks registered as ZeRO-3 leaf modules. A hang would hit the collective timeout (120 s per
     family) and then TIMEOUT_S for the launch."""
-    for arch in ("olmoe", "gpt_oss"):
+    if not UNEVEN:
+        pytest.skip("ZEROMOE_ZOO_ARCHS selects neither olmoe nor gpt_oss")
+    for arch in (u.split(":")[0] for u in UNEVEN):
         result = launch[f"uneven:{arch}"]
         assert "error" not in result, result.get("trace")
         assert result["skewed_routers"] == 2 and not result["converted"], arch

@@ -13,6 +13,10 @@
   converter expect in the optimizer's shards; frozen experts (which the strategy saves itself,
   :mod:`lightning_zeromoe.checkpoint.frozen_experts`) are left out of them for one save or one
   conversion (:func:`frozen_experts_presented`, :func:`frozen_experts_left_out_of_conversion`).
+* ``module_inject.auto_ep_presets.base._install_instance_transformers_output_recorders``: where
+  AutoEP saves, updates and restores transformers' output-capture registry by key
+  (``registry.get(key, default)``, ``registry[key] = entry``); run on a scratch registry by
+  :func:`autoep_mishandles_registry` to learn whether AutoEP needs :func:`autoep_output_capture_shim`.
 
 DeepSpeed is imported inside each function: ``troubleshooter``'s start path must not load it.
 """
@@ -26,6 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 NAMES = ("_external_params", "_init_external_params", "_is_autoep_layer", "_config",
          "_autoep_expert_parameter_names", "_autoep_expert_param_info",
+         "_install_instance_transformers_output_recorders",
          "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS")
 
 
@@ -234,3 +239,65 @@ def removed_config_keys() -> tuple[dict[str, str], dict[str, str]]:
 
     return (dict(getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})),
             dict(getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {})))
+
+
+#: The last DeepSpeed release whose AutoEP is known to address transformers' output-capture registry
+#: by key (measured: 0.19.8). Consulted only where the behaviour cannot be probed.
+_REGISTRY_BY_KEY_UP_TO = (0, 19, 8)
+
+
+def _registry_installer() -> Any:
+    from deepspeed.module_inject.auto_ep_presets import base
+
+    return getattr(base, "_install_instance_transformers_output_recorders", None)
+
+
+def autoep_mishandles_registry(registry_class: type) -> bool:
+    """Whether AutoEP's registry round trip (save an entry, write the retargeted one, restore) fails
+    on a registry of ``registry_class``: raises, or leaves anything but the original entry behind.
+    Run on a scratch instance, never on transformers' own registry. Where that code is gone from
+    the installed DeepSpeed, its version decides (0.19.8 and older do)."""
+    import types
+
+    from torch import nn
+
+    install = _registry_installer()
+    try:
+        scratch = registry_class()
+    except TypeError:
+        install = None
+    if install is None:
+        import deepspeed
+
+        from lightning_zeromoe.compat import version_tuple
+
+        return version_tuple(deepspeed.__version__) <= _REGISTRY_BY_KEY_UP_TO
+    key, original, retargeted = "<class 'zeromoe.Probe'>", {"router_logits": "original"}, {"router_logits": "new"}
+    dict.__setitem__(scratch, key, original)
+    capturing = types.SimpleNamespace(_CAN_RECORD_REGISTRY=scratch, maybe_install_capturing_hooks=lambda model: None)
+    try:
+        install(nn.Module(), {key: retargeted}, capturing, lambda model: 0)
+    except TypeError:
+        return True
+    return dict(scratch) != {key: original}
+
+
+@contextmanager
+def autoep_output_capture_shim() -> Iterator[None]:
+    """Around ``deepspeed.initialize``: when the installed transformers' output-capture registry is
+    one AutoEP cannot read or restore by key (transformers >= 5.23 with deepspeed 0.19.8: ``TypeError:
+    _CanRecordRegistry.get() takes 2 positional arguments but 3 were given``), let it, for the
+    duration of the block only. Nothing happens without transformers, with transformers <= 5.22, or
+    with a DeepSpeed whose AutoEP handles the registry (probed, see :func:`autoep_mishandles_registry`)."""
+    try:
+        from lightning_zeromoe._private import transformers as hf_private
+
+        registry = hf_private.output_capture_registry()
+    except ImportError:
+        registry = None
+    if (registry is None or hf_private.registry_is_key_addressed(registry)
+            or not autoep_mishandles_registry(type(registry))):
+        yield
+        return
+    with hf_private.key_tolerant_registry(registry):
+        yield

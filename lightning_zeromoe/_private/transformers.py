@@ -12,15 +12,21 @@
   ``modeling_utils`` still reads it.
 * ``config._name_or_path``: where a model was loaded from, recorded in the export metadata.
 * ``PreTrainedModel._can_record_outputs``: which submodules' outputs ``output_router_logits`` records.
+* ``utils.output_capturing._CAN_RECORD_REGISTRY``: each model class's ``_can_record_outputs``, keyed
+  by ``str(cls)``. A plain ``dict`` up to 5.22; from 5.23 a ``dict`` subclass whose ``get(model)`` and
+  ``[model] = ...`` take the model, not the key. AutoEP (deepspeed 0.19.8) reads and writes it by key:
+  :func:`key_tolerant_registry` lets it, for the duration of ``deepspeed.initialize``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 NAMES = ("_load_state_dict_into_zero3_model", "_hf_deepspeed_config_weak_ref", "_apply_weight_conversions_to_state_dict",
-         "_weight_conversions", "_is_hf_initialized", "_name_or_path", "_can_record_outputs")
+         "_weight_conversions", "_is_hf_initialized", "_name_or_path", "_can_record_outputs", "_CAN_RECORD_REGISTRY")
 
 
 def missing() -> list[str]:
@@ -42,6 +48,8 @@ def missing() -> list[str]:
         gone.append("PretrainedConfig._name_or_path")
     if not hasattr(PreTrainedModel, "_can_record_outputs"):
         gone.append("PreTrainedModel._can_record_outputs")
+    if not isinstance(output_capture_registry(), dict):
+        gone.append("utils.output_capturing._CAN_RECORD_REGISTRY")
     return gone
 
 
@@ -98,3 +106,62 @@ def name_or_path(config: Any) -> str:
 def recorded_outputs(model: Any) -> dict[str, Any]:
     """``_can_record_outputs`` of a model class: output name -> what records it (empty when none)."""
     return dict(getattr(model, "_can_record_outputs", None) or {})
+
+
+def output_capture_registry() -> dict | None:
+    """transformers' registry of each model class's ``_can_record_outputs`` (``None`` when it has none)."""
+    from transformers.utils import output_capturing
+
+    registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
+    return registry if isinstance(registry, dict) else None
+
+
+_NO_ENTRY = object()
+
+
+def registry_is_key_addressed(registry: dict) -> bool:
+    """Whether ``registry.get(key, default)`` and ``registry[key] = value`` work as on a plain dict
+    keyed by ``str(cls)`` (transformers <= 5.22), judged by calling them on a key no class has."""
+    if type(registry).__setitem__ is not dict.__setitem__:
+        return False
+    try:
+        return registry.get("<zeromoe probe>", _NO_ENTRY) is _NO_ENTRY
+    except TypeError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _key_tolerant(cls: type) -> type:
+    """``cls`` that also accepts AutoEP's string keys: ``get(key[, default])`` and ``[key] = value``
+    act on that very key, as a plain dict does; a model (anything not a ``str``) keeps ``cls``'s meaning."""
+
+    class KeyTolerantRegistry(cls):  # type: ignore[misc, valid-type]
+        def get(self, key: Any, *default: Any) -> Any:
+            if isinstance(key, str):
+                return dict.get(self, key, *default)
+            return super().get(key, *default)
+
+        def __setitem__(self, key: Any, value: Any) -> None:
+            if isinstance(key, str):
+                dict.__setitem__(self, key, value)
+            else:
+                super().__setitem__(key, value)
+
+    KeyTolerantRegistry.__qualname__ = KeyTolerantRegistry.__name__ = f"KeyTolerant{cls.__name__}"
+    return KeyTolerantRegistry
+
+
+@contextmanager
+def key_tolerant_registry(registry: dict) -> Iterator[None]:
+    """While the block runs, ``registry`` (the same object, so every holder of it sees the change)
+    also answers ``get(key, default)`` and stores ``[key] = value`` under ``key``; its class is put
+    back afterwards. Nothing changes for a registry that already does (see :func:`registry_is_key_addressed`)."""
+    if registry_is_key_addressed(registry):
+        yield
+        return
+    original = type(registry)
+    registry.__class__ = _key_tolerant(original)
+    try:
+        yield
+    finally:
+        registry.__class__ = original

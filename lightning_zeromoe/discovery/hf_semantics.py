@@ -84,6 +84,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     "mimo_v2_flash": FamilyFacts(score_func="sigmoid"), "solar_open": FamilyFacts(score_func="sigmoid"),
     "axk2": FamilyFacts(score_func="sigmoid"), "deepseek_v32": FamilyFacts(score_func="sigmoid"),
     "glm_moe_dsa": FamilyFacts(score_func="sigmoid"), "beam": FamilyFacts(score_func="sigmoid"),
+    # transformers 5.24: configs that build DeepseekV3ForCausalLM and Glm4MoeForCausalLM (the same router)
+    "sarvam_mla": FamilyFacts(score_func="sigmoid"), "sarvam_moe": FamilyFacts(score_func="sigmoid"),
     # HY-V4: the same router; its experts clamp gate (max) and up (+-swiglu_limit) before silu(gate) * up
     "hy_v4": FamilyFacts(score_func="sigmoid", expert_activation="swiglu_clamped"),
     # HY-V3: sigmoid + the block's e_score_correction_bias for the choice, always renormalised, then
