@@ -8,6 +8,9 @@
   reads, set for one load of a universal checkpoint by an engine built without it.
 * ``runtime.config._REMOVED_TOP_LEVEL_CONFIG_KEYS`` / ``_REMOVED_ZERO_CONFIG_KEYS``: the keys
   DeepSpeed removed, with its own message, for ``lint``.
+* ``utils.groups._get_expert_parallel_group_dict`` / ``_get_expert_data_parallel_group_dict``: the
+  expert process groups DeepSpeed built, so the communication ledger can say which group a
+  collective ran on.
 
 DeepSpeed is imported inside each function: ``troubleshooter``'s start path must not load it.
 """
@@ -20,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 NAMES = ("_external_params", "_init_external_params", "_is_autoep_layer", "_config",
+         "_get_expert_parallel_group_dict", "_get_expert_data_parallel_group_dict",
          "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS")
 
 
@@ -39,6 +43,9 @@ def missing() -> list[str]:
     if "self._config.load_universal_checkpoint" not in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint):
         gone.append("DeepSpeedEngine._config.load_universal_checkpoint")
     gone += [f"runtime.config.{name}" for name in NAMES[-2:] if not isinstance(getattr(ds_config, name, None), dict)]
+    from deepspeed.utils import groups
+
+    gone += [f"utils.groups.{name}" for name in NAMES[4:6] if not callable(getattr(groups, name, None))]
     return gone + autoep_api_changes()
 
 
@@ -129,3 +136,23 @@ def removed_config_keys() -> tuple[dict[str, str], dict[str, str]]:
 
     return (dict(getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {})),
             dict(getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {})))
+
+
+def expert_groups() -> dict[str, list[Any]]:
+    """The expert process groups DeepSpeed has built so far (every ``ep_size_<N>``, AutoEP's and
+    native MoE's), by kind: ``expert_parallel`` and ``expert_data_parallel``. Reads only: no group
+    is created (DeepSpeed's ``_get_data_parallel_group`` would create one, a collective)."""
+    from deepspeed.utils import groups
+
+    return {"expert_parallel": list(groups._get_expert_parallel_group_dict().values()),
+            "expert_data_parallel": list(groups._get_expert_data_parallel_group_dict().values())}
+
+
+def comm_backend() -> Any:
+    """``deepspeed.comm``'s backend object (None before ``init_distributed``). Its torch backend
+    holds ``all_gather_function`` / ``reduce_scatter_function``: references to
+    ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor`` taken at init, through
+    which ``deepspeed.comm.all_gather_into_tensor`` / ``reduce_scatter_tensor`` call torch."""
+    from deepspeed.comm import comm
+
+    return comm.cdb
