@@ -161,13 +161,13 @@ def predict(shape: CommShape) -> CommPrediction:
                           A * _gathered(local_expert, D, p, shape.param_persistence_threshold), "params")
             # Backward: the first micro-batch of the first step gathers everything again (trace not
             # complete yet); every other micro-batch only what the reuse distance released.
+            threshold = shape.param_persistence_threshold
             for times, first in ((1, shape.first_step), (A - 1, False)):
                 again_dense, again_expert = _regathered(shape, local_expert, first)
-                cells.add("all_gather", "world", times * _gathered(again_dense, W, p, shape.param_persistence_threshold),
-                          "params")
+                cells.add("all_gather", "world", times * _gathered(again_dense, W, p, threshold), "params")
                 if D > 1:
-                    cells.add("all_gather", "expert_data_parallel",
-                              times * _gathered(again_expert, D, p, shape.param_persistence_threshold), "params")
+                    cells.add("all_gather", "expert_data_parallel", times * _gathered(again_expert, D, p, threshold),
+                              "params")
             cells.add("reduce_scatter", "world", A * sum(dense) * g, "grads")
             cells.add("reduce_scatter", "expert_data_parallel", A * sum(local_expert) * g, "grads")
             cells.add("all_reduce", "world", 8, "other")

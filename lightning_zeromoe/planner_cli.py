@@ -56,8 +56,6 @@ class ModelFacts:
 def load_config(config_path: str | None = None, model_type: str | None = None) -> Any:
     """A ``PretrainedConfig`` from a ``config.json`` (file or directory) or transformers' default
     config for ``model_type``. Nothing is downloaded."""
-    from transformers import AutoConfig
-
     if config_path:
         path = Path(config_path)
         path = path / "config.json" if path.is_dir() else path
@@ -66,12 +64,17 @@ def load_config(config_path: str | None = None, model_type: str | None = None) -
         except (OSError, json.JSONDecodeError) as err:
             raise PlannerInputError(f"[planner-hf-config] cannot read {path}: {err}. Pass a Hugging Face "
                                     "config.json (or the directory holding it).") from None
-        model_type = raw.pop("model_type", None) or model_type
+        model_type = (raw.pop("model_type", None) if isinstance(raw, dict) else None) or model_type
         if not model_type:
             raise PlannerInputError(f"[planner-hf-config] {path} has no 'model_type'; add it (e.g. "
                                     "\"model_type\": \"mixtral\") or pass --model-type.")
     else:
         raw = {}
+    if not isinstance(raw, dict):
+        raise PlannerInputError(f"[planner-hf-config] {config_path} is not a JSON object; pass a Hugging Face "
+                                "config.json.")
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError):

@@ -81,6 +81,10 @@ def test_bad_input_is_one_line_with_its_entry_and_exit_2(tmp_path, case, entry):
     lines = [line for line in out.stderr.splitlines() if line.strip() and "[WARNING]" not in line]
     assert len(lines) == 1 and lines[0].startswith(f"[{entry}] "), out.stderr
     assert out.stdout == ""
+    from troubleshooter import knowledge
+
+    matches = knowledge.match(lines[0])  # what `python -m troubleshooter explain` shows for it
+    assert matches and matches[0].entry.id == entry, [m.entry.id for m in matches]
 
 
 def test_readme_tables_are_what_the_cli_prints():

@@ -44,9 +44,8 @@ Collectives between two optimizer steps (other callbacks', validation's) count t
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -249,15 +248,6 @@ class CommLedger(L.Callback):
                 self._group_label[key] = (label, size)  # settled; an unknown group may become an expert one
             return label, size
         return self._group_label[key]
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Collectives inside this block are not counted (for the ledger's own bookkeeping)."""
-        self._depth.n = getattr(self._depth, "n", 0) + 1
-        try:
-            yield
-        finally:
-            self._depth.n -= 1
 
     # ------------------------------------------------------------------ hooks
 

@@ -95,9 +95,9 @@ def run(name: str, out: Path, world: int) -> None:
     # The monitor's window ends at step 3; its own all-reduce of the expert counters then counts
     # towards step 4, so steps 1-3 hold only training traffic (step 4 is not compared).
     monitor = [ExpertUtilizationMonitor(every_n_steps=STEPS)] if logger else []
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + (1 if logger else 0), logger=logger, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, accumulate_grad_batches=accum,
-                        strategy=strategy, callbacks=monitor)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + (1 if logger else 0), logger=logger,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        accumulate_grad_batches=accum, strategy=strategy, callbacks=monitor)
     error = None
     try:
         trainer.fit(module)
@@ -108,7 +108,8 @@ def run(name: str, out: Path, world: int) -> None:
               "rank": trainer.global_rank, "error": error, "lightning": True,
               "restored": [k for k in before if after[k] is not before[k]] == [],
               "steps": [s.as_dict() for s in strategy.comm_ledger.steps],
-              **record, "tokens_per_micro_batch": BATCH * seq, "zero": trainer.strategy.config.get("zero_optimization", {}),
+              **record, "tokens_per_micro_batch": BATCH * seq,
+              "zero": trainer.strategy.config.get("zero_optimization", {}),
               "precision": str(trainer.precision)}
     if logger and trainer.global_rank == 0:
         rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
