@@ -245,8 +245,11 @@ def layer_throughput(cuda: bool, repeats: int) -> dict[str, Any]:
     hf_block = hf_block.to(device=device, dtype=dtype)
     config = ds_config(bf16=cuda, grouped_mm=cuda)
     config["zero_optimization"] = {"stage": 0}  # the layer alone: no gathers in the timing
-    engine, *_ = deepspeed.initialize(args=ap.Namespace(device_rank=0), model=model,
-                                      model_parameters=list(model.parameters()), config=config)
+    from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
+
+    with autoep_output_capture_shim():  # raw AutoEP on an HF model: transformers >= 5.23 needs it
+        engine, *_ = deepspeed.initialize(args=ap.Namespace(device_rank=0), model=model,
+                                          model_parameters=list(model.parameters()), config=config)
     ep_layer = engine.module.model.layers[0].mlp
     x = torch.randn(1, tokens, hidden, device=device, dtype=dtype)
 

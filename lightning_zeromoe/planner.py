@@ -551,14 +551,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--gpu-gb", type=float, default=80)
     parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--ep-size", type=int, default=1)
+    parser.add_argument("--ep-size", type=int, help="expert-parallel size (default: 1; with --config: every valid one)")
+    from lightning_zeromoe.planner_cli import add_arguments, run_hf
+
+    add_arguments(parser)  # --config / --model-type: plan a Hugging Face config (lightning_zeromoe.planner_cli)
     args = parser.parse_args(argv)
+    if args.config or args.model_type:
+        raise SystemExit(run_hf(args))
     if args.mixtral_8x7b or args.dense is None:
         print(mixtral_report(num_gpus=args.gpus, gpu_memory_gb=args.gpu_gb))
         return
     p = plan(dense_params=int(args.dense), expert_params=int(args.experts), num_gpus=args.gpus,
              gpus_per_node=args.gpus_per_node, gpu_memory_bytes=args.gpu_gb * GB, precision=args.precision,
-             ep_size=args.ep_size)
+             ep_size=args.ep_size or 1)
     print(p.table())
     print("\nRecommendation: " + p.recommend().reason)
 

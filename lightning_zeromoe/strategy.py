@@ -127,6 +127,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         grad_audit_steps: For this many optimizer steps, watch which trainable parameters get no
             gradient (a cached ``.data``, a detached copy, an unused branch) and warn; 0 turns it off.
             Nothing stays installed afterwards.
+        comm_stats: Count the bytes of every collective per optimizer step, by collective and process
+            group, and log them (``comm/<collective>/<group>_MB``): installs a
+            :class:`~lightning_zeromoe.observe.comm_ledger.CommLedger` (``strategy.comm_ledger``).
         **kwargs: Lightning's ``DeepSpeedStrategy`` keywords. Those the parent uses itself are passed
             on (accelerator, parallel_devices, cluster_environment, precision_plugin,
             process_group_backend, logging_level, remote_device, loss_scale*, load_full_weights, ...);
@@ -161,6 +164,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         shared_parameters: Mapping[str, list[str] | tuple[str, ...]] | None = None,
         guard_device_moves: bool = True,
         grad_audit_steps: int = 3,
+        comm_stats: bool = False,
         **kwargs: Any,
     ) -> None:
         if isinstance(stage, str) and stage != "auto":
@@ -201,6 +205,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                            shared_parameters={k: list(v) for k, v in (shared_parameters or {}).items()},
                            guard_device_moves=guard_device_moves, grad_audit_steps=int(grad_audit_steps)),
             info=rank_zero_info, warn=rank_zero_warn)
+        #: ``comm_stats=True``: a :class:`~lightning_zeromoe.observe.comm_ledger.CommLedger` joins the
+        #: Trainer's callbacks in ``setup`` (bytes per step by collective and group, logged as ``comm/...``).
+        from lightning_zeromoe.observe.comm_ledger import CommLedger
+
+        self.comm_ledger = CommLedger() if comm_stats else None
         # Lightning never builds its own config (config={} is not None); ours is built in setup().
         super().__init__(config={}, timeout=timeout, **self.keywords.passed)
 
@@ -257,6 +266,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def setup(self, trainer: Any) -> None:
         # configure_model() has run: the model exists, so discovery and validation can see it.
         self.prepare()
+        if self.comm_ledger is not None and self.comm_ledger not in trainer.callbacks:
+            trainer.callbacks.append(self.comm_ledger)  # installs itself at on_fit_start
         super().setup(trainer)
 
     @override

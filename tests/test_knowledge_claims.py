@@ -587,6 +587,7 @@ CHECKED = {
     "export-shards-mismatch": ["test_checkpoint.py::test_missing_rank_shard"],
     "export-unsupported-model": ["test_export_units.py::test_lora_merge_and_adapter_names"],
     "export-untrusted-object": ["test_checkpoint.py::test_checkpoint_holding_a_custom_class_is_refused_unless_trusted"],
+    "planner-hf-config": ["test_planner_cli.py::test_bad_input_is_one_line_with_its_entry_and_exit_2"],
 }
 
 

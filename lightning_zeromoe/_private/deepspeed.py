@@ -17,6 +17,9 @@
   AutoEP saves, updates and restores transformers' output-capture registry by key
   (``registry.get(key, default)``, ``registry[key] = entry``); run on a scratch registry by
   :func:`autoep_mishandles_registry` to learn whether AutoEP needs :func:`autoep_output_capture_shim`.
+* ``utils.groups._get_expert_parallel_group_dict`` / ``_get_expert_data_parallel_group_dict``: the
+  expert process groups DeepSpeed built, so the communication ledger can say which group a
+  collective ran on.
 
 DeepSpeed is imported inside each function: ``troubleshooter``'s start path must not load it.
 """
@@ -31,6 +34,7 @@ from typing import Any, Iterable, Iterator, Mapping
 NAMES = ("_external_params", "_init_external_params", "_is_autoep_layer", "_config",
          "_autoep_expert_parameter_names", "_autoep_expert_param_info",
          "_install_instance_transformers_output_recorders",
+         "_get_expert_parallel_group_dict", "_get_expert_data_parallel_group_dict",
          "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS")
 
 
@@ -50,6 +54,10 @@ def missing() -> list[str]:
     if "self._config.load_universal_checkpoint" not in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint):
         gone.append("DeepSpeedEngine._config.load_universal_checkpoint")
     gone += [f"runtime.config.{name}" for name in NAMES[-2:] if not isinstance(getattr(ds_config, name, None), dict)]
+    from deepspeed.utils import groups
+
+    gone += [f"utils.groups.{name}" for name in ("_get_expert_parallel_group_dict", "_get_expert_data_parallel_group_dict")
+             if not callable(getattr(groups, name, None))]
     return gone + frozen_expert_hooks_missing() + autoep_api_changes()
 
 
@@ -301,3 +309,23 @@ def autoep_output_capture_shim() -> Iterator[None]:
         return
     with hf_private.key_tolerant_registry(registry):
         yield
+
+
+def expert_groups() -> dict[str, list[Any]]:
+    """The expert process groups DeepSpeed has built so far (every ``ep_size_<N>``, AutoEP's and
+    native MoE's), by kind: ``expert_parallel`` and ``expert_data_parallel``. Reads only: no group
+    is created (DeepSpeed's ``_get_data_parallel_group`` would create one, a collective)."""
+    from deepspeed.utils import groups
+
+    return {"expert_parallel": list(groups._get_expert_parallel_group_dict().values()),
+            "expert_data_parallel": list(groups._get_expert_data_parallel_group_dict().values())}
+
+
+def comm_backend() -> Any:
+    """``deepspeed.comm``'s backend object (None before ``init_distributed``). Its torch backend
+    holds ``all_gather_function`` / ``reduce_scatter_function``: references to
+    ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor`` taken at init, through
+    which ``deepspeed.comm.all_gather_into_tensor`` / ``reduce_scatter_tensor`` call torch."""
+    from deepspeed.comm import comm
+
+    return comm.cdb

@@ -1,1 +1,2 @@
-"""What the run shows the user: expert load telemetry, the monitor, heatmaps."""
+"""What the run shows the user: expert load telemetry, the monitor, heatmaps, and what it
+communicates (:mod:`lightning_zeromoe.observe.comm_ledger`)."""

@@ -234,6 +234,7 @@ class ExpertUtilizationMonitor(L.Callback):
     # ------------------------------------------------------------------ one window
 
     def _window(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        comm = self._comm_window(trainer)  # first: the counters' all-reduce below belongs to the next step
         counts = global_counts(pl_module, reset=True)  # collective: every rank gets here at the same step
         top_k = self.top_k or 1
         metrics: dict[str, float] = {}
@@ -259,6 +260,7 @@ class ExpertUtilizationMonitor(L.Callback):
             if n:
                 metrics[f"{self.prefix}/{name}"] = float(total) / n
         self._losses = {}
+        metrics.update(comm)
         self.history.append((step, stats))
         if trainer.is_global_zero and metrics:
             for logger in trainer.loggers:
@@ -269,6 +271,16 @@ class ExpertUtilizationMonitor(L.Callback):
             trainer.should_stop = True
             if trainer.is_global_zero:
                 log.warning("ExpertUtilizationMonitor: stopping training (stop_on_collapse=True).")
+
+    def _comm_window(self, trainer: L.Trainer) -> dict[str, float]:
+        """With a CommLedger running: its mean bytes per step over this window (``<prefix>/comm/...``)."""
+        from lightning_zeromoe.observe.comm_ledger import find_ledger
+
+        ledger = find_ledger(trainer)
+        if ledger is None:
+            return {}
+        ledger.sync(trainer)
+        return ledger.window_metrics(self.history[-1][0] if self.history else -1, prefix=f"{self.prefix}/comm")
 
     def _log_heatmap(self, trainer: L.Trainer, stats: dict[str, LayerStats], step: int, top_k: int) -> None:
         from lightning.pytorch.utilities import rank_zero_info

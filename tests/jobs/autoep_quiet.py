@@ -75,7 +75,9 @@ def main() -> None:
     fresh = HFMoEModule(build_hf_model("mixtral"))
     config = {k: v for k, v in strategy.config.items() if k != "zero_optimization"}
     config["zero_optimization"] = {"stage": 0}
-    with lend_root_config(fresh, fresh.net.config):
+    from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
+
+    with lend_root_config(fresh, fresh.net.config), autoep_output_capture_shim():  # transformers >= 5.23
         engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=0), model=fresh, config=config,
                                           model_parameters=[p for p in fresh.parameters() if p.requires_grad],
                                           dist_init_required=False)

@@ -54,7 +54,12 @@ def attempt(gather: bool, out_dir: str) -> str:
                  "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": gather},
                  "expert_parallel": {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    # Raw DeepSpeed on a Hugging Face model: on transformers >= 5.23 AutoEP needs the registry shim
+    # the strategy applies (knowledge-base entry autoep-transformers-5.23).
+    from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
+
+    with autoep_output_capture_shim():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     assert engine._has_autoep_layers(), "AutoEP did not convert the Mixtral block"
     try:
         saved = engine.save_16bit_model(out_dir, f"gather_{gather}.bin")

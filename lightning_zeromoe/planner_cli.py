@@ -1,0 +1,285 @@
+"""``python -m lightning_zeromoe.planner --config config.json``: plan from a Hugging Face config.
+
+No weights are downloaded or allocated: the model is built from its config on the meta device
+(``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``) and its parameters are
+counted with :func:`lightning_zeromoe.planner.count_params` (fused 3-D expert tensors and
+``ModuleList`` experts alike: every parameter under a path component named ``experts``). For each
+ZeRO stage and each ``ep_size`` that divides both the experts and the GPUs the CLI prints the
+per-GPU model states, the activation estimate, the predicted communication per optimizer step
+(:mod:`lightning_zeromoe.comm_model`), the recommendation, and the ``Trainer(...)`` line to paste.
+
+Bad input (a config without routed experts, an ``ep_size`` that does not divide, an unknown
+``model_type``, an unreadable file) ends with one ``[entry-id]`` line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_zeromoe.planner import GB, LADDER, ParamCounts, Plan, Setup, count_params, is_expert_param, plan
+
+#: Config attributes that name the number of routed experts / experts per token, by model family.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+#: Per-expert FFN width: MoE configs that also carry a dense ``intermediate_size`` name it first.
+EXPERT_FFN_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+
+
+class PlannerInputError(ValueError):
+    """Input the planner cannot plan from; the message starts with its knowledge-base entry id."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs from a Hugging Face model, read off its config and meta-device build."""
+
+    model_type: str
+    counts: ParamCounts
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    expert_ffn: int
+    vocab_size: int
+    #: Layers that hold routed experts (those with an ``experts`` module), from the built model.
+    moe_layers: int
+    #: (elements, is_expert, module) per trainable parameter tensor, in the model's order (ZeRO-3's reuse distance).
+    param_order: tuple[tuple[int, bool, str], ...] = ()
+
+
+def load_config(config_path: str | None = None, model_type: str | None = None) -> Any:
+    """A ``PretrainedConfig`` from a ``config.json`` (file or directory) or transformers' default
+    config for ``model_type``. Nothing is downloaded."""
+    if config_path:
+        path = Path(config_path)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise PlannerInputError(f"[planner-hf-config] cannot read {path}: {err}. Pass a Hugging Face "
+                                    "config.json (or the directory holding it).") from None
+        model_type = (raw.pop("model_type", None) if isinstance(raw, dict) else None) or model_type
+        if not model_type:
+            raise PlannerInputError(f"[planner-hf-config] {path} has no 'model_type'; add it (e.g. "
+                                    "\"model_type\": \"mixtral\") or pass --model-type.")
+    else:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise PlannerInputError(f"[planner-hf-config] {config_path} is not a JSON object; pass a Hugging Face "
+                                "config.json.")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError):
+        raise PlannerInputError(f"[planner-hf-config] unknown model_type {model_type!r} for transformers "
+                                f"{_transformers_version()}; use one transformers knows (e.g. mixtral, qwen3_moe, "
+                                "deepseek_v3), or upgrade transformers.") from None
+
+
+def model_facts(config: Any) -> ModelFacts:
+    """Build the model on the meta device and read its counts and shapes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(config, "model_type", "?")
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as err:
+        raise PlannerInputError(f"[planner-hf-config] transformers has no causal-LM class for model_type "
+                                f"{model_type!r} ({str(err).splitlines()[0][:120]}); plan a decoder model.") from None
+    counts = count_params(model)
+    if not counts.expert_total:
+        raise PlannerInputError(f"[planner-hf-config] model_type {model_type!r} builds no routed experts (no "
+                                "parameter under an 'experts' module): this planner is for MoE models; set the "
+                                "config's expert count (e.g. num_local_experts) or plan a dense model with --dense.")
+    moe_layers = len({name.split(".experts.")[0] for name, _ in model.named_parameters() if ".experts." in name})
+    text = getattr(config, "get_text_config", lambda: config)()
+
+    def first(keys: tuple[str, ...]) -> int:
+        for key in keys:
+            value = getattr(text, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        raise PlannerInputError(f"[planner-hf-config] the {model_type!r} config has none of {', '.join(keys)}; "
+                                "add the one your model family uses.")
+
+    return ModelFacts(model_type=model_type, counts=counts, num_experts=first(EXPERT_KEYS), top_k=first(TOP_K_KEYS),
+                      hidden_size=first(("hidden_size", "d_model")), num_layers=first(("num_hidden_layers",)),
+                      num_heads=first(("num_attention_heads",)), expert_ffn=first(EXPERT_FFN_KEYS),
+                      vocab_size=first(("vocab_size",)), moe_layers=moe_layers,
+                      param_order=tuple((p.numel(), is_expert_param(n), n.rpartition(".")[0])
+                                        for n, p in model.named_parameters() if p.requires_grad))
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# ---------------------------------------------------------------------------------------- plans
+
+@dataclass(frozen=True)
+class Row:
+    ep_size: int
+    setup: Setup
+    plan: Plan
+    comm: Any  # comm_model.CommPrediction
+
+    @property
+    def states(self) -> float:
+        return self.plan.estimates[self.setup].device_total
+
+    @property
+    def total(self) -> float:
+        return self.plan.device_bytes(self.setup)
+
+
+def valid_ep_sizes(num_experts: int, num_gpus: int) -> list[int]:
+    return [e for e in range(1, num_gpus + 1) if num_gpus % e == 0 and num_experts % e == 0]
+
+
+def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
+    """Every ladder setup at every valid ep_size (or the one asked for)."""
+    from lightning_zeromoe.comm_model import CommShape, predict
+
+    gpus_per_node = args.gpus_per_node or args.gpus
+    if args.ep_size is not None:
+        if args.gpus % args.ep_size or facts.num_experts % args.ep_size:
+            raise PlannerInputError(
+                f"[ep-size-divisibility] ep_size={args.ep_size} must divide both the {facts.num_experts} experts and "
+                f"the {args.gpus} GPUs; valid values: {valid_ep_sizes(facts.num_experts, args.gpus)}.")
+        eps = [args.ep_size]
+    else:
+        eps = valid_ep_sizes(facts.num_experts, args.gpus)
+    rows = []
+    for ep in eps:
+        p = plan(counts=facts.counts, num_gpus=args.gpus, gpus_per_node=gpus_per_node,
+                 gpu_memory_bytes=args.gpu_gb * GB, precision=args.precision, ep_size=ep,
+                 micro_batch=args.micro_batch, seq_len=args.seq_len, hidden_size=facts.hidden_size,
+                 num_layers=facts.num_layers, num_heads=facts.num_heads, ffn_hidden_size=facts.expert_ffn,
+                 top_k=facts.top_k, vocab_size=facts.vocab_size, num_experts=facts.num_experts,
+                 activation_checkpointing=args.activation_checkpointing, bucket_elements=args.bucket_size)
+        for setup in LADDER:
+            shape = CommShape(counts=facts.counts, stage=setup.stage, world=args.gpus, ep_size=ep,
+                              precision=args.precision, top_k=facts.top_k, hidden_size=facts.hidden_size,
+                              moe_layers=facts.moe_layers, num_experts=facts.num_experts,
+                              tokens_per_micro_batch=args.micro_batch * args.seq_len, accumulation=args.accumulation,
+                              reduce_bucket_size=args.bucket_size, allgather_bucket_size=args.bucket_size,
+                              activation_checkpointing=args.activation_checkpointing,
+                              param_order=facts.param_order or None)
+            rows.append(Row(ep, setup, p, predict(shape)))
+    return rows
+
+
+def recommend(rows: list[Row], gpus_per_node: int) -> Row | None:
+    """The least aggressive setup that fits at any ep_size; among equals, an all-to-all inside one
+    node first, then the fewest predicted bytes on the wire per step."""
+    fitting = [r for r in rows if r.plan.fits(r.setup)]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda r: (r.setup, r.ep_size > gpus_per_node, r.comm.total, -r.ep_size))
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown: per-GPU GB (10^9 bytes) and predicted GB per optimizer step passed to collectives
+    (gradient reductions, parameter gathers, AutoEP's all-to-all; the total adds the few bytes of
+    norms and flags). Offload rows appear for an ep_size only when no on-device setup fits there."""
+    out = ["| ep_size | setup | model states | + act. + buckets | fits | comm/step: grads | params | all-to-all "
+           "| total |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    for ep in sorted({r.ep_size for r in rows}):
+        mine = [r for r in rows if r.ep_size == ep]
+        on_device_fits = any(r.plan.fits(r.setup) for r in mine if not r.setup.offload_optimizer)
+        for r in mine:
+            if r.setup.offload_optimizer and on_device_fits:
+                continue
+            k = r.comm.by_kind()
+            out.append(f"| {ep} | {r.setup.label} | {r.states / GB:.1f} | {r.total / GB:.1f} | "
+                       f"{'yes' if r.plan.fits(r.setup) else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
+                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} |")
+    return "\n".join(out)
+
+
+def paste_lines(row: Row, args: argparse.Namespace) -> str:
+    kwargs = [f"ep_size={row.ep_size}", f"stage={row.setup.stage}"]
+    if row.setup.offload_optimizer:
+        kwargs.append("offload_optimizer=True")
+    if row.setup.offload_parameters:
+        kwargs.append("offload_parameters=True")
+    if args.bucket_size != 50_000_000:
+        kwargs += [f"reduce_bucket_size={args.bucket_size}", f"allgather_bucket_size={args.bucket_size}"]
+    per_node = args.gpus_per_node or args.gpus
+    nodes = -(-args.gpus // per_node)
+    precision = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}[row.plan.precision]
+    trainer = [f'accelerator="gpu"', f"devices={min(per_node, args.gpus)}"]
+    if nodes > 1:
+        trainer.append(f"num_nodes={nodes}")
+    trainer += [f"strategy=ZeroMoEStrategy({', '.join(kwargs)})", f'precision="{precision}"']
+    if args.accumulation > 1:
+        trainer.append(f"accumulate_grad_batches={args.accumulation}")
+    return f"trainer = L.Trainer({', '.join(trainer)})"
+
+
+def report(facts: ModelFacts, args: argparse.Namespace) -> str:
+    rows = plan_all(facts, args)
+    per_node = args.gpus_per_node or args.gpus
+    c = facts.counts
+    act = rows[0].plan.activations
+    lines = [f"{facts.model_type}: {c.total:,} parameters = {c.dense_total:,} dense + {c.expert_total:,} expert "
+             f"({facts.num_experts} experts, top-{facts.top_k}, {facts.moe_layers} MoE layers, hidden "
+             f"{facts.hidden_size}, expert FFN {facts.expert_ffn}). {args.gpus} GPUs ({per_node} per node) x "
+             f"{args.gpu_gb:g} GB, {rows[0].plan.precision}, AdamW; micro-batch {args.micro_batch} x {args.seq_len} "
+             f"tokens, accumulation {args.accumulation}, activation checkpointing "
+             f"{'on' if args.activation_checkpointing else 'off'}: activations {act.total / GB:.1f} GB, buckets "
+             f"{rows[0].plan.buffer_bytes / GB:.1f} GB per GPU.", "", table(rows), ""]
+    best = recommend(rows, per_node)
+    if best is None:
+        lines.append("Recommendation: nothing fits at any ep_size. " + rows[-1].plan.recommend().reason)
+        return "\n".join(lines)
+    reason = best.plan.recommend().reason
+    same = [r for r in rows if r.setup == best.setup and r.plan.fits(r.setup)]
+    inside = best.ep_size <= per_node
+    why = (f" Among the ep_sizes where {best.setup.label} fits{' within one node' if inside else ''}, "
+           f"ep_size={best.ep_size} passes the fewest bytes to collectives per step ({best.comm.total / GB:.2f} GB "
+           "predicted)")
+    cheaper = [r for r in same if r.comm.total < best.comm.total]
+    if cheaper:
+        other = min(cheaper, key=lambda r: r.comm.total)
+        why += (f"; ep_size={other.ep_size} would pass fewer ({other.comm.total / GB:.2f} GB), but its all-to-all "
+                f"crosses nodes (more than {per_node} GPUs per node)")
+    lines += [f"Recommendation: ep_size={best.ep_size}, {reason}{why}.", "",
+              "from lightning_zeromoe import ZeroMoEStrategy", paste_lines(best, args)]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a Hugging Face config.json (or its directory); no weights are read")
+    parser.add_argument("--model-type", help="transformers' default config for this model_type (e.g. qwen3_moe)")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--bucket-size", type=int, default=50_000_000, help="ZeRO bucket sizes, elements")
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    """The ``--config`` / ``--model-type`` path of ``main``; returns the exit code."""
+    try:
+        facts = model_facts(load_config(args.config, args.model_type))
+        print(report(facts, args))
+    except PlannerInputError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["ModelFacts", "PlannerInputError", "Row", "add_arguments", "load_config", "model_facts", "plan_all",
+           "recommend", "report", "run_hf", "valid_ep_sizes"]

@@ -1,0 +1,109 @@
+"""``python -m lightning_zeromoe.planner --config config.json``: real subprocess runs on local
+config files (written from transformers' config classes; nothing is downloaded), their counts
+against the same model built with real weights, and the one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from support.jobs import REPO
+from lightning_zeromoe.planner import count_params
+
+SMALL_MIXTRAL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def planner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_zeromoe.planner", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+
+
+def write_config(path, config) -> str:
+    path.write_text(json.dumps(config.to_dict()))
+    return str(path)
+
+
+def test_cli_plans_a_local_config_with_exact_counts(tmp_path):
+    import torch
+    import transformers
+
+    config = transformers.MixtralConfig(**SMALL_MIXTRAL)
+    out = planner("--config", write_config(tmp_path / "config.json", config), "--gpus", "4", "--gpus-per-node", "2",
+                  "--gpu-gb", "0.01", "--seq-len", "32", "--micro-batch", "2", "--accumulation", "2",
+                  "--bucket-size", "1000")
+    assert out.returncode == 0, out.stderr[-3000:]
+    torch.manual_seed(0)
+    real = count_params(transformers.MixtralForCausalLM(config))  # real weights, not the meta device
+    assert f"{real.total:,} parameters = {real.dense_total:,} dense + {real.expert_total:,} expert" in out.stdout
+    assert "(4 experts, top-2, 2 MoE layers, hidden 64, expert FFN 96)" in out.stdout
+    rows = re.findall(r"^\| (\d+) \| (ZeRO-[123])( \+ [^|]+)? \|", out.stdout, re.M)
+    assert {(int(ep), st) for ep, st, _ in rows} >= {(ep, f"ZeRO-{s}") for ep in (1, 2, 4) for s in (1, 2, 3)}
+    assert "Recommendation: ep_size=" in out.stdout
+    paste = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r'trainer = L\.Trainer\(accelerator="gpu", devices=2, num_nodes=2, strategy=ZeroMoEStrategy\('
+                        r'ep_size=[12], stage=1, reduce_bucket_size=1000, allgather_bucket_size=1000\), '
+                        r'precision="bf16-mixed", accumulate_grad_batches=2\)', paste), paste
+    # ep_size=4 would cross the 2-GPU nodes: not recommended while a node-local one fits as well.
+    assert re.search(r"Recommendation: ep_size=([12]), ZeRO-1: ", out.stdout), out.stdout[-1500:]
+
+
+def test_cli_model_type_uses_transformers_default_config():
+    out = planner("--model-type", "qwen3_moe", "--gpus", "8", "--ep-size", "8", "--seq-len", "128")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("qwen3_moe: ") and "128 experts, top-8" in out.stdout
+    assert re.search(r"^\| 8 \| ZeRO-1 \|", out.stdout, re.M) and not re.search(r"^\| 4 \|", out.stdout, re.M)
+
+
+@pytest.mark.parametrize("case, entry", [
+    ("dense", "planner-hf-config"), ("unknown", "planner-hf-config"), ("missing", "planner-hf-config"),
+    ("ep", "ep-size-divisibility"),
+])
+def test_bad_input_is_one_line_with_its_entry_and_exit_2(tmp_path, case, entry):
+    import transformers
+
+    if case == "dense":
+        args = ["--config", write_config(tmp_path / "c.json", transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))]
+    elif case == "unknown":
+        args = ["--model-type", "not_a_model"]
+    elif case == "missing":
+        args = ["--config", str(tmp_path / "missing.json")]
+    else:
+        args = ["--config", write_config(tmp_path / "c.json", transformers.MixtralConfig(**SMALL_MIXTRAL)),
+                "--gpus", "6", "--ep-size", "3"]
+    out = planner(*args)
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "[WARNING]" not in line]
+    assert len(lines) == 1 and lines[0].startswith(f"[{entry}] "), out.stderr
+    assert out.stdout == ""
+    from troubleshooter import knowledge
+
+    matches = knowledge.match(lines[0])  # what `python -m troubleshooter explain` shows for it
+    assert matches and matches[0].entry.id == entry, [m.entry.id for m in matches]
+
+
+def test_readme_tables_are_what_the_cli_prints():
+    """The README's Mixtral-8x7B and Qwen3-30B-A3B tables come from the configs under examples/configs
+    (in this process: the CLI's own functions, with the arguments the README's command gives)."""
+    from lightning_zeromoe import planner, planner_cli
+
+    readme = (REPO / "README.md").read_text()
+    for config in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        facts = planner_cli.model_facts(planner_cli.load_config(str(REPO / "examples/configs" / f"{config}.json")))
+        for gpus in (8, 16):
+            parser = planner.argparse.ArgumentParser()
+            parser.add_argument("--gpus", type=int)
+            parser.add_argument("--gpus-per-node", type=int)
+            parser.add_argument("--gpu-gb", type=float)
+            parser.add_argument("--precision", default="bf16")
+            parser.add_argument("--ep-size", type=int)
+            planner_cli.add_arguments(parser)
+            args = parser.parse_args(["--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80", "--seq-len",
+                                      "4096", "--micro-batch", "1", "--activation-checkpointing"])
+            table = "\n".join(line for line in planner_cli.report(facts, args).splitlines() if line.startswith("|"))
+            assert table.count("\n") >= 10 and table in readme, (config, gpus, table)
