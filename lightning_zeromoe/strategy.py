@@ -45,7 +45,7 @@ from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, config_source, spl
 from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
                                          use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.config.autoep_wire import config_for_deepspeed
-from lightning_zeromoe.discovery.native_moe import native_ep, native_ep_sizes
+from lightning_zeromoe.config.native_moe import native_ep, native_ep_sizes
 from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
                                               effective_grouped_experts, effective_stage,
                                               inference_config, resolve, user_section, zero_init_config)
@@ -81,7 +81,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             ``deepspeed.moe.layer.MoE`` layers, the ``ep_size`` they were built with (logged once).
             Native layers set their expert parallelism themselves (``MoE(..., ep_size=N)``): the
             strategy writes no AutoEP section for them and refuses an ``ep_size`` other than theirs
-            (:mod:`lightning_zeromoe.discovery.native_moe`).
+            (:mod:`lightning_zeromoe.config.native_moe`).
         grouped_experts: At ``ep_size=1``, still replace each MoE block with AutoEP's layer
             (``autoep_size=1``: every rank holds every expert, no all-to-all), for its grouped-GEMM
             experts (``torch._grouped_mm``, bf16 on CUDA; elsewhere its per-expert loop): one GPU

@@ -5,7 +5,7 @@
   two of them with gradient accumulation, one in bf16, one with ZeRO-3 re-gathering in backward,
   and one real ``Trainer.fit`` with
   ``ZeroMoEStrategy(comm_stats=True)`` and a CSVLogger. The model
-  (:mod:`lightning_zeromoe.comm_model`) must predict every (collective, group) cell of the last
+  (:mod:`lightning_zeromoe.planner.comm`) must predict every (collective, group) cell of the last
   step within 5% (measured: exactly), averaged over ranks (the all-to-all's combine sends what
   the rank received, which depends on routing; over all ranks it is ``T * k`` rows each way).
 * The byte definitions per ``torch.distributed`` function, checked in one process on a one-rank
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from support.jobs import free_port, read_ranks, run_job
-from lightning_zeromoe.comm_model import CommShape, predict
+from lightning_zeromoe.planner.comm import CommShape, predict
 from lightning_zeromoe.planner import ParamCounts
 
 #: Every stage x ep_size; accumulation at stages 1 (one reduction per step) and 3; ZeRO-3 with a

@@ -90,20 +90,14 @@ def test_bad_input_is_one_line_with_its_entry_and_exit_2(tmp_path, case, entry):
 def test_readme_tables_are_what_the_cli_prints():
     """The README's Mixtral-8x7B and Qwen3-30B-A3B tables come from the configs under examples/configs
     (in this process: the CLI's own functions, with the arguments the README's command gives)."""
-    from lightning_zeromoe import planner, planner_cli
+    from lightning_zeromoe.planner import cli as planner_cli
 
     readme = (REPO / "README.md").read_text()
     for config in ("mixtral-8x7b", "qwen3-30b-a3b"):
         facts = planner_cli.model_facts(planner_cli.load_config(str(REPO / "examples/configs" / f"{config}.json")))
         for gpus in (8, 16):
-            parser = planner.argparse.ArgumentParser()
-            parser.add_argument("--gpus", type=int)
-            parser.add_argument("--gpus-per-node", type=int)
-            parser.add_argument("--gpu-gb", type=float)
-            parser.add_argument("--precision", default="bf16")
-            parser.add_argument("--ep-size", type=int)
-            planner_cli.add_arguments(parser)
-            args = parser.parse_args(["--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80", "--seq-len",
-                                      "4096", "--micro-batch", "1", "--activation-checkpointing"])
+            args = planner_cli.build_parser().parse_args([
+                "--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80", "--seq-len", "4096", "--micro-batch",
+                "1", "--activation-checkpointing"])
             table = "\n".join(line for line in planner_cli.report(facts, args).splitlines() if line.startswith("|"))
             assert table.count("\n") >= 10 and table in readme, (config, gpus, table)

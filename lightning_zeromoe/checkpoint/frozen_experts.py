@@ -37,7 +37,7 @@ from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe.checkpoint.autoep_names import (EXPERT_WEIGHTS, autoep_layers, block_names, fuse_experts, local_experts,
                                             names_for, own_expert_names, split_experts)
 from lightning_zeromoe.checkpoint.loading import load_shard
-from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint
+from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, read_saved_tensors
 
 #: Knowledge-base entry of every refusal here.
 ENTRY_ID = "autoep-frozen-experts"
@@ -322,7 +322,7 @@ def restore(module: torch.nn.Module, saved: SavedCheckpoint, target_ep_section: 
     under ZeRO-3: each parameter is gathered, set and re-partitioned, in the same order everywhere).
 
     ``source_tensors``: the checkpoint's ordinary frozen parameters by name, whole (read only for
-    ``split``; :func:`lightning_zeromoe.checkpoint.resume.module_state.read_saved_tensors` by default).
+    ``split``; :func:`lightning_zeromoe.checkpoint.resume.saved.read_saved_tensors` by default).
     """
     todo = plans(module, saved, target_ep_section, layouts)
     if not todo:
@@ -369,8 +369,6 @@ def _read_own(saved: SavedCheckpoint,
               source_tensors: Callable[[], Mapping[str, torch.Tensor]] | None) -> Mapping[str, torch.Tensor]:
     if source_tensors is not None:
         return source_tensors()
-    from lightning_zeromoe.checkpoint.resume.module_state import read_saved_tensors
-
     return read_saved_tensors(saved).frozen
 
 

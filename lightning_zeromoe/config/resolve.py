@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config, zero_stage
 from lightning_zeromoe.discovery.find import Discovery
-from lightning_zeromoe.discovery.native_moe import native_ep
+from lightning_zeromoe.config.native_moe import native_ep
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 
 
@@ -148,7 +148,7 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     """Build, merge and validate the DeepSpeed config. Raises :class:`ZeroMoEConfigError` on bad input.
 
     ``ep_size_given``: whether the user passed ``ep_size`` (False: left unset, and a model of native
-    ``deepspeed.moe.layer.MoE`` layers trains with their own size; see :mod:`lightning_zeromoe.discovery.native_moe`).
+    ``deepspeed.moe.layer.MoE`` layers trains with their own size; see :mod:`lightning_zeromoe.config.native_moe`).
     """
     found = found or Discovery(source="none")
     notes: list[str] = []

@@ -68,7 +68,7 @@ def _check_native_moe(layout: Layout, found: Discovery) -> None:
 
 
 def _check_blocks_found(layout: Layout, found: Discovery) -> None:
-    # Native deepspeed.moe.layer.MoE layers carry their own ep_size (lightning_zeromoe.discovery.native_moe).
+    # Native deepspeed.moe.layer.MoE layers carry their own ep_size (lightning_zeromoe.config.native_moe).
     wants_blocks = layout.grouped_experts or (layout.ep_size > 1 and not found.native_moe)
     if wants_blocks and not found.blocks and not found.fallback:
         where = "\n  ".join(found.candidates) or "(no module name mentions moe/expert/router/gate)"

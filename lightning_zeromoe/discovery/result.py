@@ -121,7 +121,7 @@ class Discovery:
     root_config: Any = None
     #: Paths of native ``deepspeed.moe.layer.MoE`` modules (refused under ZeRO-3).
     native_moe: list[str] = field(default_factory=list)
-    #: The ``ep_size`` each of those was built with (path -> size; :mod:`lightning_zeromoe.discovery.native_moe`).
+    #: The ``ep_size`` each of those was built with (path -> size; :mod:`lightning_zeromoe.config.native_moe`).
     native_ep_sizes: dict[str, int] = field(default_factory=dict)
     #: Module names that look MoE-ish, for the "nothing found" error.
     candidates: list[str] = field(default_factory=list)

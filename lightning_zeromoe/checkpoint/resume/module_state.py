@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import torch
 
 from lightning_zeromoe.checkpoint.autoep_names import BlockNames, autoep_layers, block_names, local_experts, names_for, own_name
-from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, load_model_states, model_states_files
+from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, read_saved_tensors
 
 
 @dataclass(frozen=True)
@@ -58,39 +58,6 @@ class RestoredState:
         frozen = len(self.frozen) + len(self.trained_then)
         return (f"{trainable} trained parameter(s), {len(self.buffers)} buffer(s), {frozen} frozen tensor(s) "
                 "restored")
-
-
-@dataclass(frozen=True)
-class SavedTensors:
-    """Every whole tensor a checkpoint's model states hold besides the optimizer's partitions, by the
-    source run's names."""
-
-    buffers: dict[str, torch.Tensor]
-    #: Frozen parameters: rebuilt from ZeRO-3 fragments, or whole from a ZeRO-1/2 module state dict.
-    frozen: dict[str, torch.Tensor]
-
-
-def read_saved_tensors(saved: SavedCheckpoint) -> SavedTensors:
-    """Buffers and frozen parameters of a checkpoint, whole, by DeepSpeed (source) name."""
-    files = model_states_files(saved.tag_dir)
-    if not files:
-        return SavedTensors({}, {})
-    states = [load_model_states(f) for f in files] if saved.shape.stage == 3 else [load_model_states(files[0])]
-    module = states[0].get("module") or {}
-    buffer_names = set(states[0].get("buffer_names") or [])
-    buffers = {n: t for n, t in module.items() if n in buffer_names and torch.is_tensor(t)}
-    frozen: dict[str, torch.Tensor] = {}
-    shapes = states[0].get("frozen_param_shapes") or {}
-    for name, shape in shapes.items():
-        fragments = [s.get("frozen_param_fragments", {}).get(name) for s in states]
-        if any(f is None for f in fragments):
-            continue
-        flat = torch.cat([f.reshape(-1) for f in fragments])
-        frozen[name] = flat[: math.prod(shape)].reshape(tuple(shape))
-    if saved.shape.stage != 3:  # ZeRO-1/2: the module state dict holds every parameter whole
-        frozen.update({n: t for n, t in module.items()
-                       if n not in buffer_names and torch.is_tensor(t) and t.numel() and n not in frozen})
-    return SavedTensors(buffers, frozen)
 
 
 def _own(name: str, blocks: Mapping[str, BlockNames]) -> str:
@@ -181,5 +148,5 @@ def frozen_parameter_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...
             if not p.requires_grad}
 
 
-__all__ = ["RestoredState", "SavedTensors", "frozen_parameter_shapes", "persistent_buffers", "read_saved_tensors",
+__all__ = ["RestoredState", "frozen_parameter_shapes", "persistent_buffers",
            "restore_module_state"]

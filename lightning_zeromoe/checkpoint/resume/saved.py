@@ -8,6 +8,7 @@ Read from DeepSpeed's own files (``latest``, the rank-0 ``*_model_states.pt``: `
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -96,4 +97,38 @@ def read_saved(ckpt_dir: str | os.PathLike) -> SavedCheckpoint:
                            ep_section=dict(config.get("expert_parallel") or {}), trainable=trainable)
 
 
-__all__ = ["SavedCheckpoint", "Shape", "load_model_states", "model_states_files", "read_saved"]
+@dataclass(frozen=True)
+class SavedTensors:
+    """Every whole tensor a checkpoint's model states hold besides the optimizer's partitions, by the
+    source run's names."""
+
+    buffers: dict[str, torch.Tensor]
+    #: Frozen parameters: rebuilt from ZeRO-3 fragments, or whole from a ZeRO-1/2 module state dict.
+    frozen: dict[str, torch.Tensor]
+
+
+def read_saved_tensors(saved: SavedCheckpoint) -> SavedTensors:
+    """Buffers and frozen parameters of a checkpoint, whole, by DeepSpeed (source) name."""
+    files = model_states_files(saved.tag_dir)
+    if not files:
+        return SavedTensors({}, {})
+    states = [load_model_states(f) for f in files] if saved.shape.stage == 3 else [load_model_states(files[0])]
+    module = states[0].get("module") or {}
+    buffer_names = set(states[0].get("buffer_names") or [])
+    buffers = {n: t for n, t in module.items() if n in buffer_names and torch.is_tensor(t)}
+    frozen: dict[str, torch.Tensor] = {}
+    shapes = states[0].get("frozen_param_shapes") or {}
+    for name, shape in shapes.items():
+        fragments = [s.get("frozen_param_fragments", {}).get(name) for s in states]
+        if any(f is None for f in fragments):
+            continue
+        flat = torch.cat([f.reshape(-1) for f in fragments])
+        frozen[name] = flat[: math.prod(shape)].reshape(tuple(shape))
+    if saved.shape.stage != 3:  # ZeRO-1/2: the module state dict holds every parameter whole
+        frozen.update({n: t for n, t in module.items()
+                       if n not in buffer_names and torch.is_tensor(t) and t.numel() and n not in frozen})
+    return SavedTensors(buffers, frozen)
+
+
+__all__ = ["SavedCheckpoint", "SavedTensors", "Shape", "load_model_states", "model_states_files", "read_saved",
+           "read_saved_tensors"]

@@ -1,4 +1,5 @@
-"""``python -m lightning_zeromoe.planner --config config.json``: plan from a Hugging Face config.
+"""``python -m lightning_zeromoe.planner``: the parameters-and-GPUs report, or (``--config config.json``)
+a plan from a Hugging Face config.
 
 No weights are downloaded or allocated: the model is built from its config on the meta device
 (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``) and its parameters are
@@ -6,7 +7,7 @@ counted with :func:`lightning_zeromoe.planner.count_params` (fused 3-D expert te
 ``ModuleList`` experts alike: every parameter under a path component named ``experts``). For each
 ZeRO stage and each ``ep_size`` that divides both the experts and the GPUs the CLI prints the
 per-GPU model states, the activation estimate, the predicted communication per optimizer step
-(:mod:`lightning_zeromoe.comm_model`), the recommendation, and the ``Trainer(...)`` line to paste.
+(:mod:`lightning_zeromoe.planner.comm`), the recommendation, and the ``Trainer(...)`` line to paste.
 
 Bad input (a config without routed experts, an ``ep_size`` that does not divide, an unknown
 ``model_type``, an unreadable file) ends with one ``[entry-id]`` line on stderr and exit code 2.
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_zeromoe.planner import GB, LADDER, ParamCounts, Plan, Setup, count_params, is_expert_param, plan
+from lightning_zeromoe.planner.counts import ParamCounts, count_params, is_expert_param
+from lightning_zeromoe.planner.plan import Plan, mixtral_report, plan
+from lightning_zeromoe.planner.setups import GB, LADDER, Setup
 
 #: Config attributes that name the number of routed experts / experts per token, by model family.
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -149,7 +152,7 @@ def valid_ep_sizes(num_experts: int, num_gpus: int) -> list[int]:
 
 def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
     """Every ladder setup at every valid ep_size (or the one asked for)."""
-    from lightning_zeromoe.comm_model import CommShape, predict
+    from lightning_zeromoe.planner.comm import CommShape, predict
 
     gpus_per_node = args.gpus_per_node or args.gpus
     if args.ep_size is not None:
@@ -219,7 +222,7 @@ def paste_lines(row: Row, args: argparse.Namespace) -> str:
     per_node = args.gpus_per_node or args.gpus
     nodes = -(-args.gpus // per_node)
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}[row.plan.precision]
-    trainer = [f'accelerator="gpu"', f"devices={min(per_node, args.gpus)}"]
+    trainer = ['accelerator="gpu"', f"devices={min(per_node, args.gpus)}"]
     if nodes > 1:
         trainer.append(f"num_nodes={nodes}")
     trainer += [f"strategy=ZeroMoEStrategy({', '.join(kwargs)})", f'precision="{precision}"']
@@ -281,5 +284,36 @@ def run_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["ModelFacts", "PlannerInputError", "Row", "add_arguments", "load_config", "model_facts", "plan_all",
+def build_parser() -> argparse.ArgumentParser:
+    """Every option of ``python -m lightning_zeromoe.planner``."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_zeromoe.planner",
+                                     description="Memory planner: what each GPU holds under ZeRO stages 1-3, with "
+                                                 "expert parallelism and offload.")
+    parser.add_argument("--mixtral-8x7b", action="store_true", help="print the Mixtral-8x7B on 8x80 GB report")
+    parser.add_argument("--dense", type=float, help="dense parameters (e.g. 1.6e9)")
+    parser.add_argument("--experts", type=float, default=0, help="expert parameters, all experts (e.g. 45e9)")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--gpu-gb", type=float, default=80)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--ep-size", type=int, help="expert-parallel size (default: 1; with --config: every valid one)")
+    add_arguments(parser)  # --config / --model-type: plan a Hugging Face config
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.config or args.model_type:
+        raise SystemExit(run_hf(args))
+    if args.mixtral_8x7b or args.dense is None:
+        print(mixtral_report(num_gpus=args.gpus, gpu_memory_gb=args.gpu_gb))
+        return
+    p = plan(dense_params=int(args.dense), expert_params=int(args.experts), num_gpus=args.gpus,
+             gpus_per_node=args.gpus_per_node, gpu_memory_bytes=args.gpu_gb * GB, precision=args.precision,
+             ep_size=args.ep_size or 1)
+    print(p.table())
+    print("\nRecommendation: " + p.recommend().reason)
+
+
+__all__ = ["ModelFacts", "PlannerInputError", "Row", "add_arguments", "build_parser", "main", "load_config", "model_facts", "plan_all",
            "recommend", "report", "run_hf", "valid_ep_sizes"]

@@ -57,7 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_zeromoe.planner import _PRECISION_BYTES, ParamCounts, normalize_precision
+from lightning_zeromoe.planner.counts import ParamCounts
+from lightning_zeromoe.planner.setups import _PRECISION_BYTES, normalize_precision
 
 #: Ledger cells: (collective, group) -> kind, for :meth:`CommPrediction.by_kind`.
 KINDS = ("grads", "params", "all_to_all", "other")

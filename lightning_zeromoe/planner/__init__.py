@@ -1,0 +1,48 @@
+"""Memory planner: what each GPU holds under ZeRO stages 1-3, with expert parallelism and offload.
+
+Why it exists: the usual advice ("ZeRO-1 is 1/4, ZeRO-2 1/8, ZeRO-3 1/N") is the large-N limit
+of the ZeRO paper's formulas and ignores that experts are *not* sharded like dense weights. With
+expert parallelism, a layer's experts are split over ``ep_size`` ranks, and each rank's share is
+replicated on ``world / ep_size`` ranks (expert data parallelism); ZeRO can only partition an
+expert's states over those ``world / ep_size`` replicas. Dense weights are partitioned over all
+``world`` ranks. So, per GPU, for a precision with ``p`` bytes per weight, ``g`` per gradient,
+``m`` per master weight and ``o`` per optimizer-state element (Adam: 8)::
+
+    stage 0:  (p + g + m + o) * Psi
+    stage 1:  (p + g) * Psi + (m + o) * Psi / D
+    stage 2:  p * Psi + (g + m + o) * Psi / D
+    stage 3:  (p + g + m + o) * Psi / D
+
+with ``Psi = dense, D = world`` for dense weights and ``Psi = experts / ep_size, D = world / ep_size``
+for expert weights. For bf16/fp16 (p = g = 2, m = 4, o = 8) these are the ZeRO paper's
+``4Psi + 12Psi/N``, ``2Psi + 14Psi/N`` and ``16Psi/N`` (Rajbhandari et al., 2020). In fp32
+(``p = g = m = 4``) DeepSpeed 0.19.8 still keeps a *separate* fp32 master partition in every stage
+(measured: ``tests/test_planner.py``), so fp32 costs 20 bytes per parameter, not 16.
+
+When a model is given, the planner rounds the way DeepSpeed does (ZeRO-3: each tensor's partition
+is ``ceil(numel / D)``; stages 1/2: each parameter group's flat buffer is padded to a multiple of
+``2 * D`` elements), so its figures match what ``telemetry.state_bytes`` reads from a live engine.
+
+Offload (``offload_optimizer``) moves the fp32 master weights and optimizer states to host memory,
+and the gradient partitions with them (stage 3: in the gradient dtype; stages 1/2: an fp32 copy), so
+the device keeps gradients only transiently, in the reduce bucket. ``offload_parameters`` (stage 3)
+moves the parameter partitions too. These are modelled from DeepSpeed's code and not measured here
+(a CPU-only test machine has no device memory to offload from).
+
+Pure package: no torch, DeepSpeed or Lightning import at module level (a model, if given, is only
+iterated with ``named_parameters()``), so ``python -m lightning_zeromoe.planner`` is instant.
+
+Where things are: :mod:`.setups` (precisions, the stage x offload ladder), :mod:`.counts` (dense vs
+expert parameters), :mod:`.memory` (per-rank model states, activations), :mod:`.plan` (the table,
+the recommendation, ``stage="auto"``), :mod:`.comm` (bytes per step by collective and group), and
+:mod:`.cli` (``python -m lightning_zeromoe.planner``, also from a Hugging Face config).
+"""
+
+from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
+from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, estimate_activations
+from lightning_zeromoe.planner.plan import Plan, Recommendation, choose_stage, mixtral_report, plan, seed_estimate
+from lightning_zeromoe.planner.setups import GB, GIB, LADDER, Setup, normalize_precision
+
+__all__ = ["GB", "GIB", "LADDER", "MIXTRAL_8X7B", "ActivationEstimate", "ParamCounts", "Plan", "Recommendation", "Setup",
+           "StateEstimate", "choose_stage", "count_params", "estimate_activations", "is_expert_param",
+           "mixtral_report", "moe_transformer_counts", "normalize_precision", "plan", "seed_estimate"]

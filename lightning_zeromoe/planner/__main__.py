@@ -1,0 +1,6 @@
+"""``python -m lightning_zeromoe.planner``: see :mod:`lightning_zeromoe.planner.cli`."""
+
+from lightning_zeromoe.planner.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Parameter counts: dense vs expert, from a model or from a transformer's sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter tensor sizes (elements), dense and expert. Expert tensors are the *whole*
+    layer's experts (all ``num_experts``), before expert parallelism splits them."""
+
+    dense: tuple[int, ...]
+    expert: tuple[int, ...]
+    #: False when only totals were given: then partitions are computed without rounding.
+    exact: bool = True
+
+    @property
+    def dense_total(self) -> int:
+        return sum(self.dense)
+
+    @property
+    def expert_total(self) -> int:
+        return sum(self.expert)
+
+    @property
+    def total(self) -> int:
+        return self.dense_total + self.expert_total
+
+
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights: a path component named ``experts`` (ours, Hugging Face Mixtral /
+    Qwen-MoE / DeepSeek, AutoEP's replacement). ``shared_experts`` are dense: every rank runs them."""
+    return "experts" in name.split(".")
+
+
+def count_params(model: Any, is_expert: Callable[[str], bool] = is_expert_param) -> ParamCounts:
+    """Sizes of a model's trainable parameters, split into dense and expert. Works on a plain
+    module (before AutoEP); tied parameters are counted once, as ``named_parameters`` yields them."""
+    dense, expert = [], []
+    for name, param in model.named_parameters():
+        if not getattr(param, "requires_grad", True):
+            continue
+        numel = int(math.prod(getattr(param, "ds_shape", None) or param.shape))
+        (expert if is_expert(name) else dense).append(numel)
+    return ParamCounts(tuple(dense), tuple(expert))
+
+
+def moe_transformer_counts(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                           num_kv_heads: int, ffn_hidden_size: int, num_experts: int,
+                           head_dim: int | None = None, tie_embeddings: bool = False) -> ParamCounts:
+    """Parameter tensors of a Mixtral-style decoder: GQA attention without biases, RMSNorm,
+    a router ``Linear(hidden, num_experts)`` and SwiGLU experts (3 matrices of hidden x ffn) in
+    every layer. Used for models too large to build, even on the meta device, in a test."""
+    head_dim = head_dim or hidden_size // num_heads
+    per_layer = [
+        hidden_size * num_heads * head_dim,  # q
+        hidden_size * num_kv_heads * head_dim,  # k
+        hidden_size * num_kv_heads * head_dim,  # v
+        num_heads * head_dim * hidden_size,  # o
+        hidden_size, hidden_size,  # input / post-attention RMSNorm
+        num_experts * hidden_size,  # router
+    ]
+    dense = [vocab_size * hidden_size] + per_layer * num_layers + [hidden_size]
+    if not tie_embeddings:
+        dense.append(vocab_size * hidden_size)
+    expert = [num_experts * 2 * ffn_hidden_size * hidden_size, num_experts * hidden_size * ffn_hidden_size] * num_layers
+    return ParamCounts(tuple(dense), tuple(expert))
+
+
+#: Mixtral-8x7B (``mistralai/Mixtral-8x7B-v0.1`` config.json): 46,702,792,704 parameters.
+MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, num_experts=8)

@@ -1,0 +1,249 @@
+"""The plan: every setup's memory per rank, what fits, the recommendation, and stage='auto''s choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES, normalize_precision
+from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
+from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, _states, estimate_activations
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    setup: Setup | None
+    estimate: StateEstimate | None
+    reason: str
+
+    @property
+    def fits(self) -> bool:
+        return self.setup is not None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-GPU memory for every setup in :data:`LADDER`, and the inputs that produced it."""
+
+    counts: ParamCounts
+    num_gpus: int
+    gpus_per_node: int
+    gpu_memory_bytes: float
+    precision: str
+    ep_size: int
+    optimizer_bytes: int
+    estimates: dict[Setup, StateEstimate]
+    activations: ActivationEstimate | None
+    buffer_bytes: float
+    headroom: float
+    host_memory_bytes: float | None
+    requested: Setup | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def usable_bytes(self) -> float:
+        """Device memory a plan may fill: total minus ``headroom`` (allocator fragmentation,
+        CUDA context, all-to-all and gather buffers the estimate does not itemise)."""
+        return self.gpu_memory_bytes * (1 - self.headroom)
+
+    def estimate(self, stage: int, offload_optimizer: bool = False, offload_parameters: bool = False) -> StateEstimate:
+        for setup, est in self.estimates.items():
+            if (setup.stage, setup.offload_optimizer, setup.offload_parameters) == (
+                    stage, offload_optimizer, offload_parameters):
+                return est
+        raise KeyError(f"no setup stage={stage} offload_optimizer={offload_optimizer} "
+                       f"offload_parameters={offload_parameters} in this plan")
+
+    def device_bytes(self, setup: Setup) -> float:
+        """Model states + activations (if estimated) + communication buckets, per GPU."""
+        act = self.activations.total if self.activations else 0.0
+        return self.estimates[setup].device_total + act + self.buffer_bytes
+
+    def fits(self, setup: Setup) -> bool:
+        if self.device_bytes(setup) > self.usable_bytes:
+            return False
+        if self.host_memory_bytes is not None:
+            return self.estimates[setup].host * self.gpus_per_node <= self.host_memory_bytes
+        return True
+
+    def recommend(self) -> Recommendation:
+        """The least aggressive setup that fits (stage 1 < 2 < 3 < offload), with the reason."""
+        what = ("model states" + (" + activations" if self.activations else " (no activation estimate: "
+                "pass micro_batch and seq_len)") + " + buckets")
+        rejected = []
+        for setup in sorted(self.estimates):
+            need = self.device_bytes(setup)
+            if self.fits(setup):
+                reason = (f"{setup.label}: {_gb(need)} GB per GPU ({what}) of {_gb(self.usable_bytes)} GB usable "
+                          f"({_gb(self.gpu_memory_bytes)} GB minus {self.headroom:.0%} headroom).")
+                if rejected:
+                    reason += " Less aggressive setups do not fit: " + "; ".join(rejected) + "."
+                else:
+                    reason += " It is the least aggressive setup, so nothing more is needed."
+                host = self.estimates[setup].host
+                if host:
+                    reason += (f" Offload keeps {_gb(host)} GB per GPU ({_gb(host * self.gpus_per_node)} GB per "
+                               f"node) in host memory; expect slower steps (PCIe traffic, CPU Adam).")
+                return Recommendation(setup, self.estimates[setup], reason + self._about_requested(setup))
+            if need > self.usable_bytes:
+                rejected.append(f"{setup.label} needs {_gb(need)} GB")
+            else:
+                rejected.append(f"{setup.label} needs {_gb(self.estimates[setup].host * self.gpus_per_node)} GB "
+                                f"of host memory per node, more than {_gb(self.host_memory_bytes or 0)} GB")
+        return Recommendation(None, None, "Nothing fits: " + "; ".join(rejected) + ". Add GPUs, shorten the "
+                              "sequence or micro-batch, use activation checkpointing, or add host memory.")
+
+    def _about_requested(self, best: Setup) -> str:
+        req = self.requested
+        if req is None or req == best:
+            return ""
+        if req > best:
+            return (f" You asked for {req.label}: more aggressive than needed; it only adds communication"
+                    + (" and PCIe/CPU-Adam time" if req.offload_optimizer else "") + ".")
+        return f" You asked for {req.label}, which does not fit ({_gb(self.device_bytes(req))} GB)."
+
+    def table(self) -> str:
+        """Markdown table, GB (10^9 bytes) per GPU."""
+        act = self.activations.total if self.activations else 0.0
+        rows = ["| setup | params | grads | fp32 master | optimizer | model states | + act. + buckets "
+                "| host per GPU | fits |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for setup in sorted(self.estimates):
+            e = self.estimates[setup]
+            rows.append(f"| {setup.label} | {_gb(e.params)} | {_gb(e.grads)} | {_gb(e.master)} | {_gb(e.optimizer)} | "
+                        f"{_gb(e.device_total)} | {_gb(e.device_total + act + self.buffer_bytes)} | {_gb(e.host)} | "
+                        f"{'yes' if self.fits(setup) else 'no'} |")
+        return "\n".join(rows)
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f}"
+
+
+def plan(model: Any = None, *, dense_params: int | None = None, expert_params: int | None = None,
+         num_gpus: int, gpus_per_node: int | None = None, gpu_memory_bytes: float,
+         precision: str = "bf16", ep_size: int = 1, stage: int | None = None, offload_optimizer: bool = False,
+         offload_parameters: bool = False, micro_batch: int | None = None, seq_len: int | None = None,
+         hidden_size: int | None = None, num_layers: int | None = None, num_heads: int | None = None,
+         ffn_hidden_size: int | None = None, top_k: int | None = None, vocab_size: int | None = None,
+         num_experts: int | None = None, flash_attention: bool = True, activation_checkpointing: bool = False,
+         optimizer_bytes: int = 8, bucket_elements: int = 50_000_000, headroom: float = 0.10,
+         host_memory_bytes: float | None = None, counts: ParamCounts | None = None,
+         is_expert: Callable[[str], bool] = is_expert_param) -> Plan:
+    """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
+    ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
+    ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
+
+    Give either ``model`` (any object with ``named_parameters()``; exact per-tensor rounding) or
+    ``dense_params``/``expert_params`` totals. ``optimizer_bytes`` is per parameter (Adam: 8).
+    ``stage``/``offload_optimizer``/``offload_parameters`` name the setup you intend
+    (``Plan.requested``); every setup is estimated regardless, and :meth:`Plan.recommend` says
+    whether yours is more aggressive than needed, or does not fit. ``headroom`` is the fraction of
+    device memory kept free.
+    """
+    precision = normalize_precision(precision)
+    if counts is None:
+        if model is not None:
+            counts = count_params(model, is_expert)
+        elif dense_params is not None:
+            counts = ParamCounts((int(dense_params),), (int(expert_params or 0),), exact=False)
+        else:
+            raise ValueError("plan() needs a model, or dense_params (and expert_params) counts")
+    gpus_per_node = gpus_per_node or num_gpus
+    if num_gpus < 1 or ep_size < 1 or num_gpus % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide num_gpus={num_gpus}")
+    if num_experts is None and model is not None:
+        cfg = getattr(model, "config", None)
+        num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if num_experts and num_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the number of experts ({num_experts})")
+    notes = []
+    if ep_size > gpus_per_node:
+        notes.append(f"ep_size={ep_size} > {gpus_per_node} GPUs per node: the all-to-all crosses nodes.")
+    if counts.expert_total and ep_size == 1 and num_gpus > 1:
+        notes.append("ep_size=1: every GPU runs every expert; ZeRO still partitions expert states over all GPUs.")
+
+    estimates = {s: _states(counts, s, num_gpus, ep_size, precision, optimizer_bytes) for s in LADDER}
+    requested = None
+    if stage is not None or offload_optimizer or offload_parameters:
+        want = (3 if stage is None else stage, offload_optimizer or offload_parameters, offload_parameters)
+        requested = next((s for s in LADDER if (s.stage, s.offload_optimizer, s.offload_parameters) == want), None)
+        if requested is None:
+            raise ValueError(f"no such setup: stage={want[0]}, offload_optimizer={want[1]}, "
+                             f"offload_parameters={want[2]} (offload_parameters needs stage 3; the planner models "
+                             "optimizer offload with stages 2 and 3)")
+
+    activations = None
+    if micro_batch and seq_len:
+        cfg = getattr(model, "config", None)
+
+        def pick(value: Any, *names: str) -> Any:
+            if value is not None:
+                return value
+            for name in names:
+                if getattr(cfg, name, None) is not None:
+                    return getattr(cfg, name)
+            raise ValueError(f"the activation estimate needs {names[0]} (pass it, or a model with .config)")
+
+        activations = estimate_activations(
+            micro_batch=micro_batch, seq_len=seq_len, hidden_size=pick(hidden_size, "hidden_size"),
+            num_layers=pick(num_layers, "num_hidden_layers", "num_layers"),
+            num_heads=pick(num_heads, "num_attention_heads", "num_heads"),
+            ffn_hidden_size=pick(ffn_hidden_size, "intermediate_size", "moe_intermediate_size", "ffn_hidden_size"),
+            top_k=pick(top_k, "num_experts_per_tok", "top_k"), vocab_size=pick(vocab_size, "vocab_size"),
+            precision=precision, flash_attention=flash_attention,
+            activation_checkpointing=activation_checkpointing)
+    p, g, _ = _PRECISION_BYTES[precision]
+    buffers = bucket_elements * (p + g)  # one reduce bucket (gradients) + one gather/prefetch bucket
+    return Plan(counts=counts, num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
+                precision=precision, ep_size=ep_size, optimizer_bytes=optimizer_bytes, estimates=estimates,
+                activations=activations, buffer_bytes=float(buffers), headroom=headroom,
+                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes))
+
+
+def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: int, device_memory_bytes: float,
+                 precision: str = "bf16", **plan_kwargs: Any) -> tuple[int, str]:
+    """For ``ZeroMoEStrategy(stage="auto")``: the lowest ZeRO stage whose model states (plus any
+    activation estimate the kwargs allow) fit, and why. Offload is never chosen silently: if even
+    stage 3 does not fit, the answer is 3 and the reason says which offload setting would."""
+    result = plan(model, num_gpus=world_size, gpus_per_node=devices_per_node, ep_size=ep_size,
+                  gpu_memory_bytes=device_memory_bytes, precision=precision, **plan_kwargs)
+    rec = result.recommend()
+    if rec.setup is not None and not rec.setup.offload_optimizer:
+        return rec.setup.stage, f"stage={rec.setup.stage} chosen by the memory planner. {rec.reason}"
+    if rec.setup is not None:
+        return 3, (f"stage=3 chosen, but it does not fit without offload; pass "
+                   f"{', '.join(f'{k}=True' for k, v in rec.setup.strategy_kwargs().items() if v is True)} "
+                   f"to fit. Planner: {rec.reason}")
+    return 3, f"stage=3 chosen, but the planner finds no setup that fits. {rec.reason}"
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+#: The seeds' arithmetic (16 bytes per parameter, and ZeRO-1 "~1/4", ZeRO-2 "~1/8", ZeRO-3 "1/N").
+def seed_estimate(total_params: int, num_gpus: int) -> dict[str, float]:
+    base = 16 * total_params
+    return {"no ZeRO": base, "ZeRO-1": base / 4, "ZeRO-2": base / 8, "ZeRO-3": base / num_gpus}
+
+
+def mixtral_report(num_gpus: int = 8, gpu_memory_gb: float = 80, ep_sizes: tuple[int, ...] = (1, 8),
+                   micro_batch: int = 1, seq_len: int = 4096) -> str:
+    counts = moe_transformer_counts(**MIXTRAL_8X7B)
+    cfg = MIXTRAL_8X7B
+    lines = [f"Mixtral-8x7B: {counts.total:,} parameters = {counts.dense_total:,} dense (attention, norms, "
+             f"routers, embeddings, lm_head) + {counts.expert_total:,} expert "
+             f"(8 experts x 32 layers x 3 x 4096 x 14336). {num_gpus} x {gpu_memory_gb:g} GB, bf16, AdamW.", ""]
+    for ep in ep_sizes:
+        p = plan(counts=counts, num_gpus=num_gpus, gpus_per_node=num_gpus, gpu_memory_bytes=gpu_memory_gb * GB,
+                 precision="bf16", ep_size=ep, micro_batch=micro_batch, seq_len=seq_len,
+                 hidden_size=cfg["hidden_size"], num_layers=cfg["num_layers"], num_heads=cfg["num_heads"],
+                 ffn_hidden_size=cfg["ffn_hidden_size"], top_k=2, vocab_size=cfg["vocab_size"],
+                 activation_checkpointing=True)
+        lines += [f"### ep_size={ep} (GB per GPU; activations {_gb(p.activations.total)} GB for micro-batch "
+                  f"{micro_batch} x {seq_len} tokens with activation checkpointing, buckets {_gb(p.buffer_bytes)} GB)",
+                  "", p.table(), "", "Recommendation: " + p.recommend().reason, ""]
+    seed = seed_estimate(counts.total, num_gpus)
+    lines += ["### The seeds' arithmetic applied to the same count",
+              "", "| seeds' rule | GB per GPU |", "|---|---:|"]
+    lines += [f"| {k} | {_gb(v)} |" for k, v in seed.items()]
+    return "\n".join(lines)
