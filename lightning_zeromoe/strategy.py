@@ -1,26 +1,14 @@
 """``ZeroMoEStrategy``: DeepSpeed ZeRO (stage 3 by default) plus expert parallelism via AutoEP.
 
-A subclass of Lightning's ``DeepSpeedStrategy``; the hooks below run in Lifecycle order. What each adds:
-
-* ``__init__``: sort Lightning's ``DeepSpeedStrategy`` keywords into passed-on, mapped into the
-  config, or refused (:mod:`lightning_zeromoe.config.keywords`); read ``PL_DEEPSPEED_CONFIG_PATH``.
-* ``_configure_launcher`` (devices and nodes known, no rank launched): refuse an ``ep_size`` that
-  does not divide the world, in the user's own process.
-* ``setup_environment``: on CPU, select DeepSpeed's CPU accelerator instead of refusing; give
-  ``zero.Init`` (``configure_model``) the ZeRO section it needs. No model yet: nothing else.
-* ``setup_distributed``: on CPU, skip the CUDA device-index check and join a gloo group.
-* ``setup`` (after ``configure_model``: the model exists): discover the MoE blocks, pick the stage
-  for ``stage="auto"``, build, merge and validate the config once (:func:`lightning_zeromoe.config.resolve.resolve`).
-* ``_setup_model_and_optimizer`` / ``_initialize_deepspeed_inference``: one engine builder for
-  training and evaluation, on every device (:meth:`ZeroMoEStrategy._build_engine`): it lends the
-  Hugging Face config to the root while ``deepspeed.initialize`` runs (AutoEP reads ``root.config``)
-  and passes a device rank DeepSpeed accepts on CPU. Under ZeRO-1/2 with MoE the user's optimizer is
-  split into MoE and non-MoE param groups (:mod:`lightning_zeromoe.engine.moe_groups`).
+A thin subclass of Lightning's ``DeepSpeedStrategy``: its hooks, in lifecycle order, call the
+packages of ``lightning_zeromoe`` (``config`` before any process exists; ``discovery``, ``config``
+and ``conversion`` once ``configure_model`` has built the model; ``engine`` around
+``deepspeed.initialize``; ``checkpoint`` for save, resume and export). The same code runs on CPU
+processes (gloo) and GPUs (NCCL).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,30 +24,24 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zeromoe._private import lightning as lightning_private
-from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
-from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API  # noqa: F401 - re-exported (tests)
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
-from lightning_zeromoe.config.deepspeed import DEFAULT_BUCKET_SIZE, ZeroOptions, load_user_config
-from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover
-from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, config_source, split_keywords
-from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
-                                         use_deepspeed_cpu_accelerator)
-from lightning_zeromoe.config.autoep_wire import config_for_deepspeed
+from lightning_zeromoe.config.deepspeed import DEFAULT_BUCKET_SIZE
 from lightning_zeromoe.config.native_moe import native_ep, native_ep_sizes
+from lightning_zeromoe.config.options import strategy_settings
 from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
-                                              effective_grouped_experts, effective_stage,
-                                              inference_config, resolve, user_section, zero_init_config)
+                                              effective_stage, inference_config, resolve, user_section,
+                                              zero_init_config)
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
+from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover
+from lightning_zeromoe.engine.build import autoep_converted, initialize
+from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
+                                                use_deepspeed_cpu_accelerator)
 
 if TYPE_CHECKING:
     import deepspeed
 
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-# PARENT_PRIVATE_API (lightning_zeromoe._private.lightning): the private DeepSpeedStrategy members this
-# class overrides or relies on; tests/test_lightning_internals.py checks they still exist.
-
 
 class ZeroMoEStrategy(DeepSpeedStrategy):
     """Train Mixture-of-Experts models with DeepSpeed ZeRO-3 and expert parallelism.
@@ -167,36 +149,22 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         comm_stats: bool = False,
         **kwargs: Any,
     ) -> None:
-        if isinstance(stage, str) and stage != "auto":
-            raise ValueError(f"stage={stage!r}: use 0, 1, 2, 3 or 'auto' (the memory planner picks the lowest that fits).")
-        self.auto_stage = stage == "auto"
-        self.options = ZeroOptions(
-            stage=3 if self.auto_stage else int(stage), ep_size=1 if ep_size is None else ep_size,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters, pin_memory=pin_memory, overlap_comm=overlap_comm,
-            contiguous_gradients=contiguous_gradients, reduce_bucket_size=int(reduce_bucket_size),
-            allgather_bucket_size=int(allgather_bucket_size), prefetch_bucket_size=int(prefetch_bucket_size),
-            param_persistence_threshold=int(param_persistence_threshold),
-            gather_16bit_weights_on_save=gather_16bit_weights_on_save, grouped_experts=grouped_experts)
-        self.keywords = split_keywords(kwargs, offload_optimizer=offload_optimizer,
-                                       offload_parameters=offload_parameters)
-        source, from_env = config_source(config)
-        if from_env:
-            rank_zero_info(f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}")
-        self.user_config = load_user_config(source)
-        #: Whether ep_size was passed (unset: a native-MoE model's own size is used, native_moe.py).
-        self.ep_size_given = ep_size is not None
-        # Needs no model: refuse enabled=false with ep_size > 1 (or grouped_experts) now, in the user's process.
-        effective_grouped_experts(grouped_experts, effective_ep_size(self.options.ep_size, self.user_config),
-                                  self.user_config)
-        self.moe_pattern = MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern
+        settings = strategy_settings(
+            ep_size=ep_size, stage=stage, grouped_experts=grouped_experts, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, config=config, moe_pattern=moe_pattern, lightning_keywords=kwargs,
+            pin_memory=pin_memory, overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
+            reduce_bucket_size=reduce_bucket_size, allgather_bucket_size=allgather_bucket_size,
+            prefetch_bucket_size=prefetch_bucket_size, param_persistence_threshold=param_persistence_threshold,
+            gather_16bit_weights_on_save=gather_16bit_weights_on_save)
+        if settings.note:
+            rank_zero_info(settings.note)
+        self.options, self.auto_stage, self.ep_size_given = settings.options, settings.auto_stage, settings.ep_size_given
+        self.keywords, self.user_config, self.moe_pattern = settings.keywords, settings.user_config, settings.moe_pattern
         self.discovery: Discovery | None = None
         #: The merged, validated config and the facts read from it; built once, in ``setup``.
         self.resolved: ResolvedConfig | None = None
         self._resolved_for: Module | None = None
         self._once = WarningCache()
-        if grad_audit_steps < 0:
-            raise ValueError(f"grad_audit_steps={grad_audit_steps} must be >= 0 (0 turns the gradient audit off).")
         # ZeRO-3 pitfalls (lightning_zeromoe.engine.pitfalls): one typed object, called at each hook.
         from lightning_zeromoe.engine.pitfalls import PitfallOptions, ZeroPitfalls
 
@@ -323,7 +291,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                       on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
                       accumulate_grad_batches=self._accumulate_grad_batches())
         self.resolved = resolve(self.options, world, self.discovery, auto_stage=self.auto_stage,
-                                choose_stage=lambda: self._choose_stage(module),
+                                choose_stage=lambda ep_size: self._choose_stage(module, ep_size),
                                 keyword_sections=self._keyword_sections(), user=self.user_config,
                                 ep_size_given=self.ep_size_given)
         self._resolved_for = module
@@ -338,16 +306,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         return self.keywords.config_sections(offload_optimizer=self.options.offload_optimizer,
                                              offload_parameters=self.options.offload_parameters)
 
-    def _choose_stage(self, module: Module) -> tuple[int, str]:
+    def _choose_stage(self, module: Module, ep_size: int) -> tuple[int, str]:
         """``stage="auto"``: the lowest ZeRO stage whose model states fit, from the memory planner."""
-        if any(hasattr(p, "ds_id") for p in module.parameters()):
-            return 3, ("stage=3: the model was built under zero.Init in configure_model and is already "
-                       "partitioned, so a lower stage would first have to gather it whole on every rank.")
         from lightning_zeromoe.planner import choose_stage
 
-        return choose_stage(module, world_size=self.num_nodes * self.num_processes,
-                            devices_per_node=self.num_processes, ep_size=self.options.ep_size,
-                            device_memory_bytes=self._device_memory_bytes(),
+        return choose_stage(module, world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                            ep_size=ep_size, device_memory_bytes=self._device_memory_bytes(),
                             precision=str(self.precision_plugin.precision))
 
     def _device_memory_bytes(self) -> float:
@@ -359,6 +323,22 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def _accumulate_grad_batches(self) -> int:
         trainer = lightning_private.trainer_of(self.lightning_module)
         return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+
+    @property
+    def _stage(self) -> int:
+        """The ZeRO stage that runs: the resolved one once ``setup`` has run (a config's
+        ``zero_optimization.stage``, ``stage=``, or the planner's), before that what ``zero.Init`` uses."""
+        if self.resolved is not None:
+            return self.resolved.stage
+        return effective_stage(self.options.stage, False, self.user_config, None)[0]
+
+    @property
+    def _ep_size(self) -> int:
+        """The expert-parallel size that runs: the resolved one once ``setup`` has run (a config's
+        ``autoep_size``, ``ep_size=``, or native MoE layers' own), before that the config's or ``ep_size=``."""
+        if self.resolved is not None:
+            return self.resolved.ep_size
+        return effective_ep_size(self.options.ep_size, self.user_config)
 
     @property
     def _on_cpu(self) -> bool:
@@ -379,7 +359,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.engine.moe_groups import MoEOptimizerSplit, groups_with_names
 
         check_offload_optimizer(self.config, type(optimizer) if optimizer is not None else None)
-        self._pitfalls_before_engine(model)
+        self.pitfalls.before_engine(model, self.root_device)  # tied weights, buffers (engine.pitfalls)
         params: Any = [p for p in model.parameters() if p.requires_grad]
         client: Any = optimizer
         split = None
@@ -389,136 +369,74 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             split = MoEOptimizerSplit(optimizer, lr_scheduler)
             params, client = groups_with_names(optimizer), split
         config = self.config
-        if _autoep_converted(model):  # a second fit in this process: AutoEP must not convert twice
+        if autoep_converted(model):  # a second fit in this process: AutoEP must not convert twice
             config = {k: v for k, v in config.items() if k != "expert_parallel"}
         engine, ds_optimizer = self._build_engine(model, config, optimizer=client, params=params,
                                                   lr_scheduler=lr_scheduler)
         if split is not None:
-            self._once.info(f"ZeroMoEStrategy: ZeRO stage {self.resolved.stage if self.resolved else '?'} with MoE: "
-                            f"split your optimizer into {split.summary}")
-        self._pitfalls_after_engine(engine)
+            self._once.info(f"ZeroMoEStrategy: ZeRO stage {self._stage} with MoE: split your optimizer into "
+                            f"{split.summary}")
+        self.pitfalls.after_engine(engine, self.root_device, self.zero_stage_3)  # guards, audit
         return engine, ds_optimizer
 
     def _needs_moe_param_groups(self) -> bool:
         found = self.discovery
         has_moe = bool(found and (found.native_moe or (found.blocks and self.resolved and self.resolved.expert_parallel)))
-        stage = self.resolved.stage if self.resolved else 3
-        return has_moe and stage in (1, 2)
+        return has_moe and self._stage in (1, 2)
 
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
         """validate/test/predict: the same builder as training, with ``expert_parallel`` kept."""
-        config = inference_config(self.config, already_converted=_autoep_converted(model))
+        config = inference_config(self.config, already_converted=autoep_converted(model))
         remove_hooks_defined_in(model, "deepspeed")  # the training engine's, if fit ran before in this process
         self.model, _ = self._build_engine(model, config, optimizer=None, params=[], lr_scheduler=None)
 
     def _load_checkpoint_for_evaluation(self, checkpoint_path: Any) -> None:
-        """``validate/test/predict(ckpt_path=...)``: make the evaluation engine able to load the shards.
-
-        Under ZeRO-3 the trained weights live in the ZeRO partition files, which DeepSpeed restores
-        through its ZeRO-3 optimizer (``engine._load_zero_checkpoint`` copies each saved flat fp32
-        group into the optimizer's); an engine built without an optimizer has none (and for a
-        model without MoE layers DeepSpeed would consolidate with ``zero_to_fp32``, which refuses
-        AutoEP checkpoints). So the evaluation engine is rebuilt once with a do-nothing optimizer
-        (SGD, lr=0, never stepped) whose parameters are in the order the checkpoint's flat groups
-        were saved in (``param_shapes``), and the shards are loaded through it. Same shape as they
-        were saved; loading for another world size (``resume``) extends this method.
-        """
+        """``validate/test/predict(ckpt_path=...)`` under ZeRO-3: rebuild the evaluation engine with a
+        do-nothing optimizer that can load the shards
+        (:func:`lightning_zeromoe.checkpoint.resume.load.evaluation_parameters`)."""
         if self.model is None or not self.zero_stage_3:
             return
-        from lightning_zeromoe.checkpoint.resume.reshape import saved_parameter_order
+        from lightning_zeromoe.checkpoint.resume.load import evaluation_parameters
 
         module = self.lightning_module
-        config = inference_config(self.config, already_converted=_autoep_converted(module))
-        trainable = dict((n, p) for n, p in module.named_parameters() if p.requires_grad)
-        order = [n for n in saved_parameter_order(checkpoint_path) if n in trainable]
-        params = [trainable[n] for n in order] + [p for n, p in trainable.items() if n not in set(order)]
+        config = inference_config(self.config, already_converted=autoep_converted(module))
+        params = evaluation_parameters(module, checkpoint_path)
         remove_hooks_defined_in(module, "deepspeed")
         self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
                                            lr_scheduler=None)
 
     def _build_engine(self, model: Module, config: dict[str, Any], *, optimizer: Any, params: Any,
                       lr_scheduler: Any) -> tuple["deepspeed.DeepSpeedEngine", Any]:
-        """The one ``deepspeed.initialize`` call, for training and evaluation, on CPU and GPU."""
-        import deepspeed
-
-        converts = False
-        if self.discovery is not None and not _autoep_converted(model):
-            config, converts = self._prove_conversion(config)
-        root_config = self.discovery.root_config if self.discovery else None
-        # What DeepSpeed gets: no preset_model next to a re-rooted pattern when AutoEP picks that
-        # preset from the lent config itself (DeepSpeed warns about the pair; autoep_wire.py).
-        config = config_for_deepspeed(config, root_config)
-        with lend_root_config(model, root_config), \
-                autoep_output_capture_shim():  # transformers >= 5.23 with deepspeed 0.19.8's AutoEP
-            engine, ds_optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self._device_rank()), config=config, model=model,
-                model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
-        if converts and self.discovery is not None:
-            from lightning_zeromoe.conversion.check import match_output_contract, restore_router_logits
-
-            restore_router_logits(self.lightning_module, self.discovery)
-            for block in self.discovery.blocks:  # (hidden, router_logits) blocks without HF recorders: hand-written
-                match_output_contract(self.lightning_module.get_submodule(block.path), block.returns_tuple)
-        return engine, ds_optimizer
-
-    def _prove_conversion(self, config: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Before AutoEP converts: probe each conversion, narrow the AutoEP section to the blocks
-        that compute what the original does, mark the rest as ZeRO-3 leaf modules, and say so in
-        one line. Returns the config to use and whether AutoEP will convert anything (see
-        :mod:`lightning_zeromoe.conversion.check`)."""
-        from lightning_zeromoe.conversion.check import (check_conversion, narrowed_config, probe_summary,
-                                                        register_fallback_leaves)
+        """The one engine builder, for training and evaluation, on CPU and GPU: each conversion is
+        proven first (:mod:`lightning_zeromoe.conversion.prove`), then ``deepspeed.initialize``
+        (:func:`lightning_zeromoe.engine.build.initialize`)."""
+        from lightning_zeromoe.conversion.prove import after_conversion, prove
 
         found, module = self.discovery, self.lightning_module
-        if found is None or module is None:
-            return config, False
-        ep_size = self.resolved.ep_size if self.resolved else self.options.ep_size
-        ep_section = config.get("expert_parallel")
-        # AutoEP converts: expert parallelism, or grouped_experts at ep_size=1 (ResolvedConfig.expert_parallel).
-        ep = bool(found.blocks) and isinstance(ep_section, dict) and bool(ep_section.get("enabled"))
-        if ep:
-            section = dict(found.autoep)
-            found, checks = check_conversion(module, found, section=ep_section)
-            for check in checks:
-                if not check.passed:
-                    self._once.warn(check.message(section))
-            self._once.info(probe_summary(checks, grouped_configured=bool(ep_section.get("use_grouped_mm")),
-                                          on_cpu=self._on_cpu))
-            self.discovery = found
-            ep = bool(found.blocks)
-        # Also when nothing is probed (every block fell back at fit, and validate builds the
-        # evaluation engine from the full config again): AutoEP converts only the blocks that passed.
-        config = narrowed_config(config, found)
-        leaves = register_fallback_leaves(module, found, ep_converts=ep) if self.zero_stage_3 else []
-        if found.blocks or found.fallback:
-            leaf_note = f"; {len(leaves)} registered as ZeRO-3 leaf modules" if leaves else ""
-            self._once.info(f"ZeroMoEStrategy: {found.summary(ep_enabled=ep_size > 1)}{leaf_note}")
-        no_ep = found.no_ep_warning(ep_size, leaves)  # the same rule and words for every kind of model
-        if no_ep:
-            self._once.warn(no_ep)
-        return config, ep
+        converts = False
+        if found is not None and module is not None and not autoep_converted(model):
+            proof = prove(module, found, config, ep_size=self._ep_size, on_cpu=self._on_cpu,
+                          zero_stage_3=self.zero_stage_3)
+            for warning in proof.warnings:
+                self._once.warn(warning)
+            for note in proof.notes:
+                self._once.info(note)
+            self.discovery, config, converts = proof.found, proof.config, proof.converts
+        engine, ds_optimizer = initialize(model, config, device_rank=self._device_rank(),
+                                          root_config=self.discovery.root_config if self.discovery else None,
+                                          optimizer=optimizer, params=params, lr_scheduler=lr_scheduler)
+        if converts:
+            after_conversion(self.lightning_module, self.discovery)
+        return engine, ds_optimizer
 
-    # ------------------------------------------------------------------ ZeRO-3 pitfalls
-
-    def _pitfalls_before_engine(self, model: Module) -> None:
-        """Before ``deepspeed.initialize``: see :meth:`lightning_zeromoe.engine.pitfalls.ZeroPitfalls.before_engine`."""
-        self.pitfalls.before_engine(model, self.root_device)
-
-    def _pitfalls_after_engine(self, engine: "deepspeed.DeepSpeedEngine") -> None:
-        """After ``deepspeed.initialize``: see :meth:`lightning_zeromoe.engine.pitfalls.ZeroPitfalls.after_engine`."""
-        self.pitfalls.after_engine(engine, self.root_device, self.zero_stage_3)
+    # ------------------------------------------------------------------ training
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._pitfalls_after_step()
+        self.pitfalls.after_step(self.model)  # once per micro-batch call; it counts optimizer steps
         return output
-
-    def _pitfalls_after_step(self) -> None:
-        """After each ``optimizer_step`` call (one per micro-batch under DeepSpeed): see
-        :meth:`lightning_zeromoe.engine.pitfalls.ZeroPitfalls.after_step`, which counts optimizer steps."""
-        self.pitfalls.after_step(self.model)
 
     @override
     def teardown(self) -> None:
@@ -530,76 +448,28 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
-        """DeepSpeed's sharded checkpoint, plus ``zeromoe_meta.json`` for ``lightning_zeromoe.export``."""
-        engine = self.model
-        if engine is not None and hasattr(engine, "checkpoint_engine") and engine.checkpoint_engine is None:
-            # validate/test/predict built an engine without an optimizer: DeepSpeed gives it no
-            # checkpoint engine, and its save would fail deep inside with an AttributeError.
-            raise RuntimeError(
-                f"[save-after-evaluation] trainer.save_checkpoint({str(filepath)!r}) after validate/test/predict: "
-                "the engine those built holds no optimizer state, so DeepSpeed cannot write a checkpoint from it. "
-                "Save the checkpoint before evaluating (right after fit, or with a ModelCheckpoint callback), "
-                "or run fit again to resume.")
-        # Lightning's save, but ``latest`` is written only once every rank's files are complete
-        # (lightning_zeromoe.checkpoint.commit): a save killed half-way never looks complete.
+        """DeepSpeed's sharded checkpoint, committed only when complete, with what ``zeromoe-export``
+        needs (:mod:`lightning_zeromoe.checkpoint.engine_save`)."""
+        from lightning_zeromoe.checkpoint import engine_save
+
+        engine_save.refuse_engine_without_optimizer(self.model, filepath)
         filepath = self.broadcast(filepath)
         if storage_options is not None:
             raise TypeError("trainer.save_checkpoint(..., storage_options=...) is not supported by ZeroMoEStrategy: "
                             "DeepSpeed writes the checkpoint itself, without a CheckpointIO.")
-        from lightning_zeromoe.checkpoint.commit import DISK_FULL, begin_save, commit_save, is_disk_full
-        from lightning_zeromoe.checkpoint.frozen_experts import FrozenExpertSave
-
-        # Frozen AutoEP experts under ZeRO-3 (LoRA): DeepSpeed refuses them, the strategy saves them beside.
-        frozen = FrozenExpertSave.of(engine.module, filepath, stage_3=self.zero_stage_3,
-                                     excluded=self.exclude_frozen_parameters)
-        if self.is_global_zero:
-            begin_save(filepath)  # the other ranks wait in DeepSpeed's first barrier
-            frozen.begin()
+        ctx = engine_save.SaveContext(
+            global_rank=self.global_rank, is_global_zero=self.is_global_zero, world_size=self.world_size,
+            zero_stage_3=self.zero_stage_3, exclude_frozen_parameters=self.exclude_frozen_parameters,
+            module=self.lightning_module, config=self.config, layouts=self._block_layouts())
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        try:
-            with frozen.presented():
-                engine.save_checkpoint(filepath, client_state=state, tag="checkpoint", save_latest=False,
-                                       exclude_frozen_parameters=self.exclude_frozen_parameters)
-            #: The frozen-experts file this rank wrote at the last save (None: none, or another rank of its group).
-            self.frozen_experts_written = frozen.write()
-        except Exception as err:
-            if is_disk_full(err):
-                raise OSError(f"[{DISK_FULL}] rank {self.global_rank} could not write the checkpoint {filepath}: the "
-                              f"disk is full or a size limit was hit ({type(err).__name__}: {err}). That directory is "
-                              "incomplete and has no 'latest' file, so nothing will load it; other checkpoints are "
-                              "untouched. Free space (or delete that directory) and save again.") from err
-            refusal = frozen.refusal(err)
-            if refusal is not None:
-                raise refusal from err
-            raise
-        if frozen.active:
-            self.barrier("zeromoe_frozen_experts_written")
-        if self.is_global_zero:
-            frozen.commit()
-            self._write_export_meta(filepath)
-            commit_save(filepath, "checkpoint")
-        self.barrier("zeromoe_checkpoint_committed")
+        #: The frozen-experts file this rank wrote at the last save (None: none, or another rank of its group).
+        self.frozen_experts_written = engine_save.save(self.model, filepath, state, ctx, barrier=self.barrier,
+                                                       warn=rank_zero_warn)
 
     def _block_layouts(self) -> dict[str, Any]:
         """Discovery's ``BlockLayout`` of every block it keeps for EP, by path: the model's own names."""
         blocks = self.discovery.blocks if self.discovery is not None else []
         return {b.path: b.layout for b in blocks if b.layout is not None}
-
-    def _write_export_meta(self, filepath: Any) -> None:
-        """Record, while the model is in memory, how AutoEP's names map back to the model's own.
-
-        A failure here must not cost the user the checkpoint DeepSpeed has just written: it is
-        reported as a warning, and the export of this checkpoint will then say what is missing.
-        """
-        from lightning_zeromoe.checkpoint import META_FILE, build_meta, write_meta
-
-        try:
-            meta = build_meta(self.lightning_module, self.config, world_size=self.world_size,
-                              blocks=self._block_layouts())
-            write_meta(meta, filepath)
-        except Exception as err:  # noqa: BLE001 - the DeepSpeed checkpoint is already safe on disk
-            rank_zero_warn(f"ZeroMoEStrategy: could not write {META_FILE} into {filepath} ({type(err).__name__}: "
-                           f"{err}); the checkpoint resumes normally but `zeromoe-export` cannot convert it.")
 
     # ------------------------------------------------------------------ resume (lightning_zeromoe.checkpoint.resume.reshape)
 
@@ -617,47 +487,27 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         from lightning.pytorch.trainer.states import TrainerFn
 
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+        from lightning_zeromoe.checkpoint.resume import load
+
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if not fitting:
             self._load_checkpoint_for_evaluation(checkpoint_path)
-
-        from lightning_zeromoe.checkpoint import frozen_experts
-        from lightning_zeromoe.checkpoint.frozen_experts import FrozenExpertSave
-        from lightning_zeromoe.checkpoint.resume import reshape as resume
-
         lightning_private.validate_checkpoint_directory(checkpoint_path)
-        saved = resume.read_saved(checkpoint_path)
-        frozen_experts.check_saved(saved)
-        stage = int(self.config.get("zero_optimization", {}).get("stage", self.options.stage))
-        # The engine's own AutoEP layers say which ep_size runs (a config's autoep_size, or none when
-        # every block fell back), not the ep_size asked for.
-        target = resume.Shape(world_size=self.world_size, ep_size=resume.engine_ep_size(self.deepspeed_engine.module),
-                              stage=stage)
-        blocks = {b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])}
-        trainable = [n for n, p in self.deepspeed_engine.module.named_parameters() if p.requires_grad]
-        if not resume.plan_resume(saved, target, blocks, trainable):
-            engine = self.deepspeed_engine
-            frozen = FrozenExpertSave.of(engine.module, checkpoint_path, stage_3=self.zero_stage_3, excluded=False)
-            with frozen.presented(saving=False):
-                client_state = super().load_checkpoint(checkpoint_path, weights_only)
-            frozen_experts.restore(engine.module, saved, self.config.get("expert_parallel"), self._block_layouts())
-            return client_state
-        return resume.load_on_new_shape(
-            self.deepspeed_engine, saved, target, ep_section=self.config.get("expert_parallel"),
-            layouts=self._block_layouts(), is_global_zero=self.is_global_zero, broadcast=self.broadcast,
-            agree=lambda ok: self.reduce_boolean_decision(ok, all=True),
-            fitting=self.lightning_module.trainer.state.fn == TrainerFn.FITTING,
-            strict=self.lightning_module.strict_loading, info=rank_zero_info, warn=rank_zero_warn)
+        ctx = load.ResumeContext(
+            world_size=self.world_size, stage=self._stage, is_global_zero=self.is_global_zero,
+            ep_section=self.config.get("expert_parallel"), layouts=self._block_layouts(),
+            experts={b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])},
+            fitting=fitting, strict=self.lightning_module.strict_loading)
+        return load.load(self.deepspeed_engine, checkpoint_path, ctx,
+                         load_same_shape=lambda: super(ZeroMoEStrategy, self).load_checkpoint(checkpoint_path,
+                                                                                              weights_only),
+                         broadcast=self.broadcast, agree=lambda ok: self.reduce_boolean_decision(ok, all=True),
+                         info=rank_zero_info, warn=rank_zero_warn)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """``load_full_weights=True``: every rank loads its own experts from the full state dict.
-
-        Lightning loads on global rank 0 only and lets ``GatheredParameters`` broadcast, but an
-        expert parameter is broadcast from the first rank of its expert-data-parallel group, which
-        holds other experts than rank 0 (and Lightning drops the size mismatch silently). Here each
-        rank cuts its own experts from the state dict (which every rank has read) before the same
-        gather-load-broadcast, and missing or unexpected keys are an error when ``strict``.
-        """
+        """``load_full_weights=True``: every rank loads its own experts from the full state dict, not
+        rank 0 alone as Lightning does (:mod:`lightning_zeromoe.checkpoint.full_weights`)."""
         from lightning_zeromoe.checkpoint.full_weights import load_gathered, to_autoep_state_dict
 
         if not (self.load_full_weights and self.zero_stage_3):
@@ -666,36 +516,6 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         state = to_autoep_state_dict(checkpoint["state_dict"], self.lightning_module,
                                      self.config.get("expert_parallel", {}), self._block_layouts())
         load_gathered(self.lightning_module, state, strict=strict)
-
-
-@contextmanager
-def lend_root_config(model: Module, config: Any) -> Iterator[None]:
-    """Make ``model.config`` the Hugging Face config for the duration of the block.
-
-    AutoEP reads ``num_experts``, ``top_k``, ``model_type`` and routing details from
-    ``root.config``; the root here is the LightningModule. Whatever the module had under that
-    name is put back afterwards.
-    """
-    if config is None:
-        yield
-        return
-    missing = object()
-    previous = model.__dict__.get("config", missing)
-    model.__dict__["config"] = config
-    try:
-        yield
-    finally:
-        if previous is missing:
-            del model.__dict__["config"]
-        else:
-            model.__dict__["config"] = previous
-
-
-def _autoep_converted(model: Module) -> bool:
-    """Whether AutoEP has already replaced MoE blocks in ``model`` (``fit`` ran in this process)."""
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-
-    return any(isinstance(m, AutoEPMoELayer) for m in model.modules())
 
 
 def _register_by_name() -> None:
@@ -708,5 +528,4 @@ def _register_by_name() -> None:
 
 _register_by_name()
 
-__all__ = ["ZeroMoEStrategy", "ZeroMoEConfigError", "MoEPattern", "apply_timeout_to_all_groups", "group_timeout",
-           "lend_root_config"]
+__all__ = ["ZeroMoEStrategy", "ZeroMoEConfigError", "MoEPattern", "apply_timeout_to_all_groups", "group_timeout"]

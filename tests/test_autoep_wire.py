@@ -21,7 +21,7 @@ from support import hf_zoo
 from support.jobs import run_job
 from lightning_zeromoe.config.autoep_wire import config_for_deepspeed, custom_fields, section_for_deepspeed
 from lightning_zeromoe.discovery.find import discover
-from lightning_zeromoe.strategy import lend_root_config
+from lightning_zeromoe.engine.build import lend_root_config
 
 WARNING = "Custom preset fields"
 

@@ -41,7 +41,7 @@ from deepspeed.module_inject.auto_ep_config import parse_autoep_config  # noqa: 
 
 from support.jobs import JOBS, job_env  # noqa: E402  (tests/ is on sys.path via conftest.py)
 from lightning_zeromoe.discovery.find import discover  # noqa: E402
-from lightning_zeromoe.strategy import lend_root_config  # noqa: E402
+from lightning_zeromoe.engine.build import lend_root_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = JOBS / "train_hf.py"

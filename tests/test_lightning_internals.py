@@ -9,7 +9,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from typing_extensions import override  # noqa: F401  (the decorator the strategy uses)
 
 from lightning_zeromoe._private import torch as _torch_private
-from lightning_zeromoe.strategy import PARENT_PRIVATE_API, ZeroMoEStrategy
+from lightning_zeromoe._private.lightning import PARENT_PRIVATE_API
+from lightning_zeromoe.strategy import ZeroMoEStrategy
 
 
 def test_private_parent_hooks_we_override_still_exist():

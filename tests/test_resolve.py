@@ -69,7 +69,7 @@ def test_invalid_user_stage_is_refused():
 
 
 def test_user_stage_wins_over_auto_without_asking_the_planner():
-    def planner():
+    def planner(ep_size: int):
         raise AssertionError("the planner must not run when the config fixes the stage")
 
     out = resolve(ZeroOptions(), WORLD, None, auto_stage=True, choose_stage=planner,
@@ -173,3 +173,16 @@ def test_grouped_experts_without_moe_blocks_is_refused_at_setup():
         prepared(DenseModule(), ep_size=1, grouped_experts=True)
     strategy = prepared(TinyMoEModule(), ep_size=1, grouped_experts=True)
     assert strategy.config["expert_parallel"]["autoep_size"] == 1 and strategy.resolved.grouped_experts
+
+
+def test_stage_auto_plans_for_the_ep_size_that_runs():
+    """``stage="auto"`` asks the planner about the config's ``autoep_size``, not the ``ep_size=`` keyword."""
+    asked = []
+
+    def planner(ep_size: int) -> tuple[int, str]:
+        asked.append(ep_size)
+        return 2, "fits"
+
+    out = resolve(ZeroOptions(ep_size=1), WORLD, discover(TinyMoEModule(TinyMoEConfig(num_experts=4))),
+                  auto_stage=True, choose_stage=planner, user={"expert_parallel": {"autoep_size": 2}})
+    assert asked == [2] and out.stage == 2 and out.ep_size == 2

@@ -142,7 +142,7 @@ def grouped_mm_applies(on_cpu: bool, precision: str) -> bool:
 
 
 def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto_stage: bool = False,
-            choose_stage: Callable[[], tuple[int, str]] | None = None,
+            choose_stage: Callable[[int], tuple[int, str]] | None = None,
             keyword_sections: Mapping[str, Any] | None = None,
             user: Mapping[str, Any] | None = None, ep_size_given: bool = True) -> ResolvedConfig:
     """Build, merge and validate the DeepSpeed config. Raises :class:`ZeroMoEConfigError` on bad input.
@@ -153,7 +153,9 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     found = found or Discovery(source="none")
     notes: list[str] = []
     ep_size = effective_ep_size(options.ep_size, user)
-    stage, why = effective_stage(options.stage, auto_stage, user, choose_stage)
+    # stage="auto" plans for the ep_size that will run (a config's autoep_size wins over ep_size=).
+    choose = (lambda: choose_stage(ep_size)) if choose_stage is not None else None
+    stage, why = effective_stage(options.stage, auto_stage, user, choose)
     if why:
         notes.append(why)
     native = None

@@ -205,7 +205,11 @@ def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: in
                  precision: str = "bf16", **plan_kwargs: Any) -> tuple[int, str]:
     """For ``ZeroMoEStrategy(stage="auto")``: the lowest ZeRO stage whose model states (plus any
     activation estimate the kwargs allow) fit, and why. Offload is never chosen silently: if even
-    stage 3 does not fit, the answer is 3 and the reason says which offload setting would."""
+    stage 3 does not fit, the answer is 3 and the reason says which offload setting would. A model
+    built under ``zero.Init`` (in ``configure_model``) is already partitioned: it keeps stage 3."""
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        return 3, ("stage=3: the model was built under zero.Init in configure_model and is already "
+                   "partitioned, so a lower stage would first have to gather it whole on every rank.")
     result = plan(model, num_gpus=world_size, gpus_per_node=devices_per_node, ep_size=ep_size,
                   gpu_memory_bytes=device_memory_bytes, precision=precision, **plan_kwargs)
     rec = result.recommend()
@@ -218,7 +222,7 @@ def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: in
     return 3, f"stage=3 chosen, but the planner finds no setup that fits. {rec.reason}"
 
 
-# ---------------------------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------------------------- reports
 
 #: The seeds' arithmetic (16 bytes per parameter, and ZeRO-1 "~1/4", ZeRO-2 "~1/8", ZeRO-3 "1/N").
 def seed_estimate(total_params: int, num_gpus: int) -> dict[str, float]:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_hf import HFMoEModule, build_hf_model  # noqa: E402
 
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
-from lightning_zeromoe.strategy import lend_root_config  # noqa: E402
+from lightning_zeromoe.engine.build import lend_root_config  # noqa: E402
 
 
 class Records(logging.Handler):

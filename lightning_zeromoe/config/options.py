@@ -1,0 +1,61 @@
+"""What ``ZeroMoEStrategy``'s keywords mean, checked in the user's process before any rank or model.
+
+:func:`strategy_settings` turns the constructor's arguments into one typed :class:`StrategySettings`:
+the ZeRO options, whether ``stage="auto"`` and ``ep_size`` were asked for, Lightning's own keywords
+sorted (:mod:`lightning_zeromoe.config.keywords`), and the user's DeepSpeed config as read (a dict, a
+JSON path, or ``PL_DEEPSPEED_CONFIG_PATH``). What can be refused without a model is refused here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from lightning_zeromoe.config.deepspeed import ZeroOptions, load_user_config
+from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, LightningKeywords, config_source, split_keywords
+from lightning_zeromoe.config.resolve import effective_ep_size, effective_grouped_experts
+from lightning_zeromoe.discovery.find import MoEPattern
+
+
+@dataclass(frozen=True)
+class StrategySettings:
+    """The strategy's arguments, read and checked."""
+
+    options: ZeroOptions
+    #: ``stage="auto"``: the planner picks the stage once the model exists.
+    auto_stage: bool
+    #: Whether ``ep_size`` was passed (unset: a native-MoE model's own size is used, config/native_moe.py).
+    ep_size_given: bool
+    keywords: LightningKeywords
+    user_config: dict[str, Any] | None
+    moe_pattern: MoEPattern | None
+    #: An info line to log (the config came from ``PL_DEEPSPEED_CONFIG_PATH``), or None.
+    note: str | None = None
+
+
+def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts: bool, offload_optimizer: bool,
+                      offload_parameters: bool, config: str | Path | Mapping[str, Any] | None,
+                      moe_pattern: MoEPattern | Mapping[str, Any] | None, lightning_keywords: Mapping[str, Any],
+                      **zero: Any) -> StrategySettings:
+    """``zero``: the remaining :class:`ZeroOptions` fields (buckets, thresholds, flags), as passed."""
+    if isinstance(stage, str) and stage != "auto":
+        raise ValueError(f"stage={stage!r}: use 0, 1, 2, 3 or 'auto' (the memory planner picks the lowest that fits).")
+    auto_stage = stage == "auto"
+    ints = {k: int(v) for k, v in zero.items() if k.endswith(("_size", "_threshold"))}
+    options = ZeroOptions(stage=3 if auto_stage else int(stage), ep_size=1 if ep_size is None else ep_size,
+                          offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
+                          grouped_experts=grouped_experts, **{**zero, **ints})
+    keywords = split_keywords(lightning_keywords, offload_optimizer=offload_optimizer,
+                              offload_parameters=offload_parameters)
+    source, from_env = config_source(config)
+    user_config = load_user_config(source)
+    # Needs no model: refuse enabled=false with ep_size > 1 (or grouped_experts) now, in the user's process.
+    effective_grouped_experts(grouped_experts, effective_ep_size(options.ep_size, user_config), user_config)
+    return StrategySettings(
+        options=options, auto_stage=auto_stage, ep_size_given=ep_size is not None, keywords=keywords,
+        user_config=user_config, moe_pattern=MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern,
+        note=f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}" if from_env else None)
+
+
+__all__ = ["StrategySettings", "strategy_settings"]
