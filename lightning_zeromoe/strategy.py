@@ -47,6 +47,7 @@ from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offlo
                                        effective_grouped_experts,
                                        inference_config, resolve, zero_init_config)
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
+from lightning_zeromoe.knowledge import say
 
 if TYPE_CHECKING:
     import deepspeed
@@ -496,10 +497,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             # validate/test/predict built an engine without an optimizer: DeepSpeed gives it no
             # checkpoint engine, and its save would fail deep inside with an AttributeError.
             raise RuntimeError(
-                f"[save-after-evaluation] trainer.save_checkpoint({str(filepath)!r}) after validate/test/predict: "
-                "the engine those built holds no optimizer state, so DeepSpeed cannot write a checkpoint from it. "
-                "Save the checkpoint before evaluating (right after fit, or with a ModelCheckpoint callback), "
-                "or run fit again to resume.")
+                say("save-after-evaluation", "no-optimizer-engine", "save-before-evaluating", filepath=str(filepath)))
         # Lightning's save, but ``latest`` is written only once every rank's files are complete
         # (lightning_zeromoe.checkpoint.commit): a save killed half-way never looks complete.
         filepath = self.broadcast(filepath)
@@ -516,10 +514,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                                    exclude_frozen_parameters=self.exclude_frozen_parameters)
         except Exception as err:
             if is_disk_full(err):
-                raise OSError(f"[{DISK_FULL}] rank {self.global_rank} could not write the checkpoint {filepath}: the "
-                              f"disk is full or a size limit was hit ({type(err).__name__}: {err}). That directory is "
-                              "incomplete and has no 'latest' file, so nothing will load it; other checkpoints are "
-                              "untouched. Free space (or delete that directory) and save again.") from err
+                raise OSError(say(DISK_FULL, "save-failed", "free-space", rank=self.global_rank, filepath=filepath,
+                                  error_type=type(err).__name__, err=err)) from err
             raise
         if self.is_global_zero:
             self._write_export_meta(filepath)

@@ -67,7 +67,7 @@ from lightning_zeromoe.knowledge.model import (
 
 __all__ = [
     "CONTEXT_CHARS", "ENTRIES_DIR", "FAMILIES", "PATCH_KINDS", "SEVERITIES", "Entry", "Fix", "KnowledgeError",
-    "Message", "anchor_of", "entry_of", "fix", "get", "load_entries", "load_entry", "message", "prefixed", "say",
+    "Message", "anchor_of", "compose", "entry_of", "fix", "get", "load_entries", "load_entry", "message", "prefixed", "say",
 ]
 
 _PREFIX = re.compile(r"^\[(?P<id>[a-z0-9]+(?:[.-][a-z0-9]+)*)\] ")
@@ -84,14 +84,18 @@ def entry_of(text: str) -> str | None:
     return found.group("id") if found else None
 
 
-def say(entry_id: str, message_id: str, *fix_ids: str, **values: object) -> str:
-    """One of our own errors or warnings: ``[<entry-id>] <message> <fix> <fix> ...``.
+def compose(entry_id: str, message_id: str, *fix_ids: str, **values: object) -> str:
+    """``<message> <fix> <fix> ...``: the entry's message template ``message_id``, then each of
+    ``fix_ids`` in order, each filled with the ``values`` it names, joined by single spaces.
 
-    The entry's message template ``message_id`` and then each of ``fix_ids``, in order, each
-    filled with the ``values`` it names, joined by single spaces. A template gets only the values
-    it names (one without placeholders is used as written); a value it names but which is not
-    given raises KeyError.
+    A template gets only the values it names (one without placeholders is used as written); a
+    value it names that is not given raises KeyError. :func:`say` is this with the entry's prefix.
     """
     templates = (message(entry_id, message_id), *(fix(entry_id, f) for f in fix_ids))
-    parts = [t.render(**{name: values[name] for name in t.placeholders()}) for t in templates]
-    return prefixed(entry_id, " ".join(parts))
+    return " ".join(t.render(**{name: values[name] for name in t.placeholders()}) for t in templates)
+
+
+def say(entry_id: str, message_id: str, *fix_ids: str, **values: object) -> str:
+    """One of our own errors or warnings: ``[<entry-id>] <message> <fix> <fix> ...`` (:func:`compose`
+    behind :func:`prefixed`). Every error and warning ``lightning_zeromoe`` raises is built this way."""
+    return prefixed(entry_id, compose(entry_id, message_id, *fix_ids, **values))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe._private import torch as torch_private
+from lightning_zeromoe.knowledge import say
 
 
 def move_buffers_to_device(root: nn.Module, device: torch.device | str) -> list[str]:
@@ -209,10 +210,9 @@ class DeviceMoveGuard:
         site = _call_site()
         if (path, call, site) not in self.warned:
             self.warned.add((path, call, site))
-            warnings.warn(f"[zero3-noop-move] ZeroMoEStrategy: {call} on module '{path}' ({type(module).__name__}) at {site} runs inside "
-                          f"forward, but the module is already on {self.device}"
-                          f"{' in ' + str(next(iter(floats))) if len(floats) == 1 else ''}: ignored (a no-op). "
-                          "Remove the call; it would otherwise walk every parameter each step.", stacklevel=3)
+            warnings.warn(say("zero3-noop-move", "in-forward", "remove-call", call=call, path=path,
+                              module_type=type(module).__name__, site=site, device=self.device,
+                              dtype=' in ' + str(next(iter(floats))) if len(floats) == 1 else ''), stacklevel=3)
         return module
 
     def _explain(self, path: str, module: nn.Module, call: str, device: torch.device | None,
