@@ -158,7 +158,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         if isinstance(stage, str) and stage != "auto":
-            raise ValueError(f"stage={stage!r}: use 0, 1, 2, 3 or 'auto' (the memory planner picks the lowest that fits).")
+            raise ValueError(say("strategy-argument-invalid", "stage", "valid-stage", stage=stage))
         self.auto_stage = stage == "auto"
         self.options = ZeroOptions(
             stage=3 if self.auto_stage else int(stage), ep_size=ep_size, offload_optimizer=offload_optimizer,
@@ -280,7 +280,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """
         module = self.lightning_module
         if module is None:
-            raise RuntimeError("ZeroMoEStrategy needs a LightningModule: use it through Trainer.fit/validate/test.")
+            raise RuntimeError(say("strategy-argument-invalid", "no-module", "through-trainer"))
         if self.resolved is not None and self._resolved_for is module:
             self.config = dict(self.resolved.config)
             lightning_private.rebuild_config(self)

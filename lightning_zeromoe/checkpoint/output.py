@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lightning_zeromoe.checkpoint.errors import DISK_FULL, OUTPUT_PATH, ExportError, short_list
+from lightning_zeromoe import knowledge
 from lightning_zeromoe.knowledge import say
 
 try:  # Unix; without it (Windows) a leftover work directory is reported, never removed
@@ -191,8 +192,7 @@ class Staging:
                 raise ExportError(say(OUTPUT_PATH, "locked", "wait-or-another", owner=owner, out=self.out,
                                       entry=entry))
             if state == "unknown":
-                self._say(f"left {entry} in place: this filesystem has no file locks to tell whether an export "
-                          "is still writing it; delete it once no zeromoe-export is running")
+                self._say(knowledge.message(OUTPUT_PATH, "left-in-place").render(entry=entry))
                 continue
             old = entry / _OLD
             if old.is_dir() and not os.path.lexists(self.final):

@@ -46,6 +46,7 @@ from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe.checkpoint.autoep_names import ENTRY_ID, ResumeShapeError, autoep_layers
 from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, Shape, read_saved
 from lightning_zeromoe.checkpoint.resume.universal_names import add_target_names, saved_shapes
+from lightning_zeromoe import knowledge
 from lightning_zeromoe.knowledge import say
 
 try:  # POSIX only; elsewhere two jobs converting the same checkpoint at once are not kept apart
@@ -81,8 +82,7 @@ def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[st
     """
     problems = []
     if saved.shape.stage != target.stage:
-        problems.append(f"it was written under ZeRO stage {saved.shape.stage} and this run uses stage {target.stage}; "
-                        f"resume with stage={saved.shape.stage} (changing the stage on resume is not supported)")
+        problems.append(knowledge.message(ENTRY_ID, "stage-differs").render(saved=saved.shape.stage, target=target.stage))
     if saved.shape.stage not in (1, 2, 3) and saved.shape != target:
         problems.append("it holds no ZeRO partitions (stage 0), so DeepSpeed has no universal conversion for it")
     if saved.experts:
@@ -90,8 +90,7 @@ def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[st
         if differ:
             shown = ", ".join(f"{p}: {n} saved, {m if m is not None else 'no MoE block'} now" for p, (n, m)
                               in list(differ.items())[:4])
-            problems.append(f"its MoE layers differ from the model's ({shown}); resume with the model that was "
-                            "trained")
+            problems.append(knowledge.message(ENTRY_ID, "experts-differ").render(shown=shown))
         bad = sorted({n for n in saved.experts.values() if n % target.ep_size})
         if bad:
             problems.append(f"ep_size={target.ep_size} does not divide the saved expert count(s) {bad}")

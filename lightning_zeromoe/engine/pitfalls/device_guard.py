@@ -220,10 +220,5 @@ class DeviceMoveGuard:
         want = " and ".join(x for x in (f"move it to {device}" if device else "",
                                        f"cast it to {dtype}" if dtype else "") if x) or "change its tensors"
         where = "during forward" if self.in_forward else "after the DeepSpeed engine was set up"
-        return (f"[zero3-module-move] {call} on module '{path}' ({type(module).__name__}) at {_call_site()} {where} would {want}. "
-                "ZeRO-3 cannot allow this: each parameter's storage is a partition of a flat buffer owned by the "
-                "DeepSpeed optimizer (param.ds_tensor); the tensor the module sees in forward is a temporary gathered "
-                "copy. Moving or casting the module rebinds param.data (or, between devices torch cannot swap in place, "
-                "replaces the Parameter object), detaching the module from its partition: the optimizer would keep "
-                "updating the partition while the module used a stale copy, or the next gather would fail. Cast activations instead (x.to(dtype)), choose the precision on the Trainer "
-                f"(precision='bf16-true'), and leave device placement to the strategy (parameters are on {self.device}).")
+        return say("zero3-module-move", "moved", "cast-activations", "trainer-precision", call=call, path=path,
+                   module_type=type(module).__name__, site=_call_site(), where=where, want=want, device=self.device)
