@@ -47,7 +47,8 @@ Citation API (the only way code outside this package may hold advice): ``fix(ent
 and ``message(entry_id, message_id)`` return a :class:`Fix` / :class:`Message` whose ``render(**values)``
 fills the placeholders; both know their ``entry``. ``say(entry_id, message_id, *fix_ids, **values)``
 is the text of one of the project's own errors or warnings: ``[<entry-id>] <message> <fix> ...``
-(the prefix ``troubleshooter explain`` recognises; :func:`entry_of` reads it back).
+(the prefix ``troubleshooter explain`` recognises; :func:`entry_of` reads it back; :func:`compose`
+is the same text without the prefix, for a warning whose wording must start otherwise).
 ``tests/test_knowledge_citations.py`` finds every such call statically, in both packages, and
 fails on an unknown entry or id, on placeholders that differ from the template's, and on advice
 prose outside this package.
