@@ -36,6 +36,7 @@ from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover
 from lightning_zeromoe.engine.build import autoep_converted, initialize
 from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
                                                 use_deepspeed_cpu_accelerator)
+from lightning_zeromoe.knowledge import say
 
 if TYPE_CHECKING:
     import deepspeed
@@ -281,7 +282,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         """
         module = self.lightning_module
         if module is None:
-            raise RuntimeError("ZeroMoEStrategy needs a LightningModule: use it through Trainer.fit/validate/test.")
+            raise RuntimeError(say("strategy-argument-invalid", "no-module", "through-trainer"))
         if self.resolved is not None and self._resolved_for is module:
             self.config = dict(self.resolved.config)
             lightning_private.rebuild_config(self)

@@ -562,6 +562,7 @@ CHECKED = {
     "offload-needs-ds-cpu-optimizer": [
         "test_resolve.py::test_offload_with_a_torch_optimizer_is_refused_naming_deepspeed_cpu_adam"],
     "strategy-keyword-refused": ["test_keywords.py::test_zero_optimization_keyword_is_refused_naming_stage_0"],
+    "strategy-argument-invalid": ["test_validation.py::test_stage_must_be_a_number_or_auto"],
     "save-after-evaluation": ["test_strategy_paths.py::test_validate_after_fit_and_from_checkpoint_equal_a_plain_eval"],
     "ep-layout": ["test_doctor.py::test_layout"],
     "moe-conversion-mismatch": ["test_hf_semantics.py::test_probe_catches_route_norm_opposite_to_the_config"],

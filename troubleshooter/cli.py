@@ -92,7 +92,7 @@ def _print_findings(con: Console, source: str, findings: list[lint.Finding]) -> 
         con.print(table)
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
     con.print(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items())
-              + ". Each rule is a knowledge-base entry (troubleshooter/knowledge/entries/RULE.toml).")
+              + ". Each rule is a knowledge-base entry (lightning_zeromoe/knowledge/entries/RULE.toml).")
 
 
 def _where(source: str, f: lint.Finding) -> str:

@@ -123,9 +123,10 @@ def check_autoep_api() -> None:
     if changes:
         import deepspeed
 
-        raise RuntimeError(f"[stack-versions] deepspeed {deepspeed.__version__}: AutoEP's API changed "
-                           f"({'; '.join(changes)}); lightning_zeromoe is tested with deepspeed 0.19.8. Install "
-                           "deepspeed==0.19.8, or ep_size=1 to train without AutoEP.")
+        from lightning_zeromoe.knowledge import say
+
+        raise RuntimeError(say("stack-versions", "autoep-api-changed", "tested-deepspeed-or-no-ep",
+                               version=deepspeed.__version__, changes="; ".join(changes)))
 
 
 def external_params(module: Any) -> dict[Any, Any]:

@@ -59,10 +59,11 @@ from typing_extensions import override
 from lightning_zeromoe.engine import collectives
 from lightning_zeromoe.balance.rules import bias_update, router_z_loss
 from lightning_zeromoe._private import deepspeed as ds_private
+from lightning_zeromoe.knowledge import entry_of, say
 
 log = logging.getLogger(__name__)
 
-#: Knowledge-base entries (``troubleshooter/knowledge/entries/<id>.toml``) of the errors raised here.
+#: Knowledge-base entries (``lightning_zeromoe/knowledge/entries/<id>.toml``) of the errors raised here.
 REFUSED = "bias-balancing-refused"
 DIVERGED = "bias-balancing-diverged"
 
@@ -74,9 +75,9 @@ class BiasBalancingError(RuntimeError):
     """The balancer cannot run on this model, or the ranks' biases differ; the message starts with
     ``[<entry_id>] ``, its knowledge-base entry."""
 
-    def __init__(self, entry_id: str, message: str) -> None:
-        self.entry_id = entry_id
-        super().__init__(f"[{entry_id}] {message}")
+    def __init__(self, message: str) -> None:  # message: knowledge.say(entry_id, ...)
+        self.entry_id = entry_of(message)
+        super().__init__(message)
 
 
 @dataclass(eq=False)
@@ -224,17 +225,12 @@ class ExpertBiasBalancer(L.Callback):
         if not sites:
             layers = ", ".join(without[:4]) + (f" and {len(without) - 4} more" if len(without) > 4 else "")
             found = f"its MoE layers ({layers}) have" if without else "no MoE layer was found, so it has"
-            raise BiasBalancingError(REFUSED, (
-                f"ExpertBiasBalancer: {type(pl_module).__name__} cannot be balanced this way: {found} no "
-                "choice-only routing bias (e_score_correction_bias, expert_bias) to adjust. Adding one would "
-                "change the model: it would route differently from the one its config describes and from the "
-                "model export writes. Use the load-balancing aux loss instead."))
+            raise BiasBalancingError(say(REFUSED, "no-bias", "use-aux-loss",
+                                         module_type=type(pl_module).__name__, found=found))
         trained = [s.name for s in sites if s.tensor.requires_grad]
         if trained:
-            raise BiasBalancingError(REFUSED, (
-                f"ExpertBiasBalancer: {', '.join(trained[:4])} is trained by the optimizer (requires_grad=True), "
-                "which would overwrite every update; freeze it (requires_grad_(False)) before fit, as the "
-                "model's own routing treats it."))
+            raise BiasBalancingError(say(REFUSED, "bias-trained", "freeze-the-bias",
+                                         names=', '.join(trained[:4])))
         if without:
             log.warning("ExpertBiasBalancer: %d MoE layer(s) have no choice-only bias and are not balanced: %s",
                         len(without), ", ".join(without))
@@ -363,11 +359,9 @@ class ExpertBiasBalancer(L.Callback):
         for site, s in zip(self.sites, spread):
             worst = float(s.max())
             if worst > self.tolerance:
-                raise BiasBalancingError(DIVERGED, (
-                    f"ExpertBiasBalancer: the choice-only bias of {site.layer} ({site.name}) differs between ranks "
-                    f"by up to {worst:.3g} at step {trainer.global_step} (tolerance {self.tolerance:g}); the ranks "
-                    "now route the same tokens to different experts. Something besides the balancer changed it "
-                    "on some ranks (a rank-dependent load or init, or code writing it)."))
+                raise BiasBalancingError(say(DIVERGED, "ranks-differ", layer=site.layer,
+                                             name=site.name, worst=worst, step=trainer.global_step,
+                                             tolerance=self.tolerance))
 
     def _log(self, trainer: L.Trainer, step: int) -> None:
         metrics: dict[str, float] = {}

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import torch
 from lightning_zeromoe._private import deepspeed as ds_private
+from lightning_zeromoe.knowledge import say
 
 #: Knowledge-base entry for every refusal of a checkpoint that does not fit the run.
 ENTRY_ID = "resume-shape-unsupported"
@@ -26,8 +27,8 @@ class ResumeShapeError(RuntimeError):
 
     entry_id = ENTRY_ID
 
-    def __init__(self, message: str) -> None:
-        super().__init__(f"[{ENTRY_ID}] {message}")
+    def __init__(self, message: str) -> None:  # message: knowledge.say(ENTRY_ID, ...)
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ def fuse_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, names: Bl
     if fused == (num, hidden, 2 * ffn):
         return {names.w1: torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous(),
                 names.w2: w2.transpose(1, 2).contiguous()}
-    raise ResumeShapeError(f"the model's {names.w1} has shape {list(fused)}, which fits neither fused layout of "
-                           f"{num} experts x ffn {ffn} x hidden {hidden}; the checkpoint belongs to another model.")
+    raise ResumeShapeError(say(ENTRY_ID, "fused-layout", w1=names.w1, shape=list(fused), num=num,
+                               ffn=ffn, hidden=hidden))
 
 
 def own_expert_names(names: BlockNames, num_experts: int) -> list[str]:
@@ -168,8 +169,8 @@ def split_experts(tensors: Mapping[str, torch.Tensor], names: BlockNames) -> dic
     gate_up, down = tensors[names.w1], tensors[names.w2]
     layout = classify_fused_gate_up_layout(tuple(gate_up.shape), tuple(down.shape))
     if layout is None:
-        raise ResumeShapeError(f"{names.w1} {list(gate_up.shape)} and {names.w2} {list(down.shape)} are no fused "
-                               "expert layout AutoEP knows.")
+        raise ResumeShapeError(say(ENTRY_ID, "split-layout", w1=names.w1,
+                                   gate_up=list(gate_up.shape), w2=names.w2, down=list(down.shape)))
     ffn = layout.ffn_hidden_size
     if layout.layout == "gate_up_first":
         return {"w1": gate_up[:, :ffn], "w3": gate_up[:, ffn:], "w2": down}

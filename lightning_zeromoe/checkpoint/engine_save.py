@@ -22,6 +22,7 @@ from lightning_zeromoe.checkpoint.commit import DISK_FULL, begin_save, commit_sa
 from lightning_zeromoe.checkpoint.frozen_experts import FrozenExpertSave
 from lightning_zeromoe.checkpoint.meta import META_FILE
 from lightning_zeromoe.checkpoint.save import build_meta, write_meta
+from lightning_zeromoe.knowledge import say
 
 TAG = "checkpoint"
 
@@ -47,10 +48,7 @@ def refuse_engine_without_optimizer(engine: Any, filepath: Any) -> None:
     engine, and its save would fail deep inside with an AttributeError."""
     if engine is not None and hasattr(engine, "checkpoint_engine") and engine.checkpoint_engine is None:
         raise RuntimeError(
-            f"[save-after-evaluation] trainer.save_checkpoint({str(filepath)!r}) after validate/test/predict: "
-            "the engine those built holds no optimizer state, so DeepSpeed cannot write a checkpoint from it. "
-            "Save the checkpoint before evaluating (right after fit, or with a ModelCheckpoint callback), "
-            "or run fit again to resume.")
+            say("save-after-evaluation", "no-optimizer-engine", "save-before-evaluating", filepath=str(filepath)))
 
 
 def save(engine: Any, filepath: Any, client_state: dict[str, Any], ctx: SaveContext,
@@ -68,10 +66,8 @@ def save(engine: Any, filepath: Any, client_state: dict[str, Any], ctx: SaveCont
         written = frozen.write()
     except Exception as err:
         if is_disk_full(err):
-            raise OSError(f"[{DISK_FULL}] rank {ctx.global_rank} could not write the checkpoint {filepath}: the "
-                          f"disk is full or a size limit was hit ({type(err).__name__}: {err}). That directory is "
-                          "incomplete and has no 'latest' file, so nothing will load it; other checkpoints are "
-                          "untouched. Free space (or delete that directory) and save again.") from err
+            raise OSError(say(DISK_FULL, "save-failed", "free-space", rank=ctx.global_rank, filepath=filepath,
+                              error_type=type(err).__name__, err=err)) from err
         refusal = frozen.refusal(err)
         if refusal is not None:
             raise refusal from err

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-#: Entry ids (``troubleshooter/knowledge/entries/<id>.toml``) of the errors export raises.
+from lightning_zeromoe.knowledge import entry_of
+
+#: Entry ids (``lightning_zeromoe/knowledge/entries/<id>.toml``) of the errors export raises.
 NOT_A_CHECKPOINT = "export-not-a-checkpoint"
 SHARDS_MISMATCH = "export-shards-mismatch"
 SHARD_CORRUPT = "export-shard-corrupt"
@@ -17,12 +19,13 @@ DISK_FULL = "export-disk-full"
 class ExportError(ValueError):
     """A checkpoint cannot be exported; the message names the problem and the fix.
 
-    The message starts with ``[<entry_id>] `` (the knowledge-base entry that explains it).
+    ``message`` is ``knowledge.say(entry_id, ...)``: it starts with ``[<entry_id>] `` (the
+    knowledge-base entry that explains it), which ``entry_id`` holds.
     """
 
-    def __init__(self, entry_id: str, message: str) -> None:
-        self.entry_id = entry_id
-        super().__init__(f"[{entry_id}] {message}")
+    def __init__(self, message: str) -> None:
+        self.entry_id = entry_of(message)
+        super().__init__(message)
 
 
 def short_list(names: list[str], limit: int = 5) -> str:

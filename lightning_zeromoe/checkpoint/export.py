@@ -27,6 +27,7 @@ from lightning_zeromoe.checkpoint.output import (MARKER_FORMAT, MARKER_VERSION, 
 from lightning_zeromoe.checkpoint.plan import OutputTensor, check_shape, plan_outputs
 from lightning_zeromoe.checkpoint.progress import Progress
 from lightning_zeromoe.checkpoint.sources import Reader, catalog
+from lightning_zeromoe.knowledge import say
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,8 +135,8 @@ def write_shards(outputs: list[OutputTensor], path: Path, dtype: Any, reader: Re
         try:
             split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_size)
         except ValueError as err:
-            raise ExportError(OUTPUT_PATH, f"max_shard_size={max_shard_size!r} is not a size ({err}); write it like "
-                              "'5GB', '500MB' or a number of bytes.") from None
+            raise ExportError(say(OUTPUT_PATH, "max-shard-size", "size-format", max_shard_size=max_shard_size,
+                                  err=err)) from None
         files = split.filename_to_tensors
         index = {"metadata": {**split.metadata}, "weight_map": split.tensor_to_filename}
         path = path / "_"  # shards sit next to each other in the directory
@@ -187,37 +188,28 @@ def export_marker(meta: ExportMeta, dtype: Any, source: Path) -> dict[str, Any]:
 def locate(path: Path) -> tuple[Path, ExportMeta]:
     """The checkpoint directory and its meta, or an error saying what the path is instead."""
     if not path.exists():
-        raise ExportError(NOT_A_CHECKPOINT, f"checkpoint directory not found: {path}. Pass the directory that "
-                          "trainer.save_checkpoint(...) or ModelCheckpoint wrote (it holds 'latest' and 'checkpoint/').")
+        raise ExportError(say(NOT_A_CHECKPOINT, "not-found", "pass-checkpoint-dir", path=path))
     if not path.is_dir():
-        raise ExportError(NOT_A_CHECKPOINT, f"{path} is a file, not a checkpoint directory. Under DeepSpeed, "
-                          "trainer.save_checkpoint(...) writes a directory; pass that directory.")
+        raise ExportError(say(NOT_A_CHECKPOINT, "is-a-file", "pass-checkpoint-dir", path=path))
     if not (path / META_FILE).is_file() and (path.parent / META_FILE).is_file():
         path = path.parent  # the user pointed at checkpoint/ inside it
     meta_path = path / META_FILE
     if not meta_path.is_file():
         if (path / "latest").is_file() or any(path.glob("*/*mp_rank_*_model_states.pt")):
-            raise ExportError(NOT_A_CHECKPOINT, f"{path} has no {META_FILE}: it was not written by ZeroMoEStrategy "
-                              "(or by an older version), so the names of the model's own parameters are unknown. "
-                              "Load it with Trainer(strategy=ZeroMoEStrategy(...)) and call "
-                              "trainer.save_checkpoint(...) again; without expert parallelism, DeepSpeed's "
-                              "zero_to_fp32 also works.")
-        raise ExportError(NOT_A_CHECKPOINT, f"{path} is not a DeepSpeed checkpoint directory (no 'latest', no "
-                          f"*_model_states.pt, no {META_FILE}). Pass the directory that trainer.save_checkpoint(...) wrote.")
+            raise ExportError(say(NOT_A_CHECKPOINT, "no-meta", "resave-with-strategy", path=path,
+                                  meta_file=META_FILE))
+        raise ExportError(say(NOT_A_CHECKPOINT, "not-deepspeed", "pass-checkpoint-dir", path=path,
+                              meta_file=META_FILE))
     meta = read_meta(meta_path)
     if meta.unsupported:
-        raise ExportError(UNSUPPORTED_MODEL, "this checkpoint's model has parts the exporter cannot map back to the "
-                          "model's own names: " + "; ".join(meta.unsupported) + ". Convert it with DeepSpeed's "
-                          "ds_to_universal instead (AutoEP names), or report the model to lightning_zeromoe.")
+        raise ExportError(say(UNSUPPORTED_MODEL, "unmapped-parts", "ds-to-universal",
+                              parts="; ".join(meta.unsupported)))
     latest = path / "latest"
     if not latest.is_file():
-        raise ExportError(NOT_A_CHECKPOINT, f"{path} has no 'latest' file: the save that wrote it did not finish (a "
-                          "rank was killed or its disk filled up while writing), so its shards may mix two saves. "
-                          "Export an earlier checkpoint, or load the run and save again.")
+        raise ExportError(say(NOT_A_CHECKPOINT, "no-latest", "earlier-or-save-again", path=path))
     if latest.read_text().strip() != meta.tag:
-        raise ExportError(NOT_A_CHECKPOINT, f"{latest} names tag {latest.read_text().strip()!r} but {META_FILE} "
-                          f"describes {meta.tag!r}: the directory mixes two saves. Export a directory written by one "
-                          "trainer.save_checkpoint(...).")
+        raise ExportError(say(NOT_A_CHECKPOINT, "mixed-tags", "one-save", latest=latest,
+                              found=latest.read_text().strip(), meta_file=META_FILE, tag=meta.tag))
     return path, meta
 
 
@@ -232,11 +224,9 @@ def target_dtype(dtype: str, meta: ExportMeta) -> Any:
 
     name = meta.dtype if dtype == "auto" else _ALIASES.get(dtype, dtype)
     if name not in DTYPES:
-        raise ExportError(BAD_DTYPE, f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16.")
+        raise ExportError(say(BAD_DTYPE, "unknown", "known-dtypes", dtype=dtype))
     if meta.zero_stage != 3 and name == "float32" and meta.dtype != "float32":
-        raise ExportError(BAD_DTYPE, f"this ZeRO stage-{meta.zero_stage} checkpoint keeps the model weights in "
-                          f"{meta.dtype} (its fp32 master copies are split across the optimizer shards, which export "
-                          "does not reassemble for stage 1/2); float32 would only be an upcast. Use --dtype auto.")
+        raise ExportError(say(BAD_DTYPE, "upcast", "dtype-auto", zero_stage=meta.zero_stage, dtype=meta.dtype))
     return getattr(torch, name)
 
 

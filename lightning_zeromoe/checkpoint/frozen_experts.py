@@ -37,6 +37,7 @@ from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe.checkpoint.autoep_names import (EXPERT_WEIGHTS, autoep_layers, block_names, fuse_experts, local_experts,
                                             names_for, own_expert_names, split_experts)
 from lightning_zeromoe.checkpoint.loading import load_shard
+from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, read_saved_tensors
 
 #: Knowledge-base entry of every refusal here.
@@ -48,12 +49,10 @@ VERSION = 1
 
 
 class FrozenExpertsError(RuntimeError):
-    """Frozen AutoEP experts cannot be saved or restored; the message says why and what to do."""
+    """Frozen AutoEP experts cannot be saved or restored: ``knowledge.say(ENTRY_ID, ...)``, which says
+    why and what to do."""
 
     entry_id = ENTRY_ID
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"[{ENTRY_ID}] {message}")
 
 
 def frozen_expert_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -149,11 +148,9 @@ class FrozenExpertSave:
         """DeepSpeed's own refusal, should it still get through, as a one-line error with the way out."""
         if not ds_private.is_frozen_expert_refusal(err):
             return None
-        return FrozenExpertsError(
-            f"DeepSpeed refused to save {self.ckpt_dir} because AutoEP experts are frozen under ZeRO-3 "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Save through ZeroMoEStrategy "
-            "(trainer.save_checkpoint or ModelCheckpoint), which writes frozen experts beside DeepSpeed's files, "
-            "with deepspeed 0.19.8; or train the experts too, or use ZeRO stage 2.")
+        return FrozenExpertsError(say(ENTRY_ID, "refused-by-deepspeed", "save-through-zeromoe", "train-experts-or-stage-2",
+                                      ckpt_dir=self.ckpt_dir, error_type=type(err).__name__,
+                                      error=str(err).splitlines()[0][:200]))
 
 
 # ------------------------------------------------------------------ read
@@ -175,8 +172,8 @@ def manifest(ckpt_dir: Path) -> dict[str, Any] | None:
         return None
     data = json.loads(path.read_text())
     if data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
-        raise FrozenExpertsError(f"{path} is version {data.get('version')} of {data.get('format')}; this "
-                                 f"lightning_zeromoe reads version {VERSION}. Upgrade lightning_zeromoe.")
+        raise FrozenExpertsError(say(ENTRY_ID, "manifest-version", "upgrade-zeromoe", path=path,
+                                     version=data.get("version"), format=data.get("format"), supported=VERSION))
     return data
 
 
@@ -187,9 +184,7 @@ def pieces(ckpt_dir: Path, *, trust_checkpoint: bool = False) -> list[Piece]:
     for name in (found or {}).get("files", []):
         path = Path(ckpt_dir) / DIR / name
         if not path.is_file():
-            raise FrozenExpertsError(f"{path} is missing: it holds frozen experts of this checkpoint (its manifest "
-                                     "lists it). Copy the whole checkpoint directory, including "
-                                     f"{DIR}/, from where it was saved.")
+            raise FrozenExpertsError(say(ENTRY_ID, "file-missing", "copy-whole-checkpoint", path=path))
         data = load_shard(path, trust_checkpoint=trust_checkpoint)
         out.append(Piece(path, {k: tuple(v) for k, v in data["experts"].items()},
                          {k: int(v) for k, v in data["num_experts"].items()}, tuple(data["module"])))
@@ -211,18 +206,15 @@ def check_saved(saved: SavedCheckpoint) -> None:
         return
     found = manifest(saved.path)
     if found is None:
-        raise FrozenExpertsError(f"{saved.path} ({saved.shape}) has frozen AutoEP experts ({wanted[0]}, ...) but no "
-                                 f"{DIR}/{MANIFEST}: they were not saved by ZeroMoEStrategy, or that folder was not "
-                                 "copied. Copy the whole checkpoint directory, or resume from a checkpoint that "
-                                 "ZeroMoEStrategy saved.")
+        raise FrozenExpertsError(say(ENTRY_ID, "no-manifest", "copy-whole-checkpoint", "resume-from-zeromoe",
+                                     ckpt=saved.path, shape=saved.shape, first=wanted[0], manifest=f"{DIR}/{MANIFEST}"))
     if found.get("excluded"):
         return
     have = {n for p in pieces(saved.path) for n in p.names}
     lost = [n for n in wanted if n not in have]
     if lost:
-        raise FrozenExpertsError(f"{saved.path}/{DIR} holds no value for {len(lost)} frozen expert weight(s) "
-                                 f"({', '.join(lost[:3])}): the folder comes from another save. Save the checkpoint "
-                                 "again, or copy it whole from where it was saved.")
+        raise FrozenExpertsError(say(ENTRY_ID, "values-missing", "save-again", folder=f"{saved.path}/{DIR}",
+                                     count=len(lost), names=", ".join(lost[:3])))
 
 
 def _rows(found: list[Piece], name: str, ids: list[int], opened: dict[Path, Any] | None = None) -> torch.Tensor:
@@ -236,8 +228,8 @@ def _rows(found: list[Piece], name: str, ids: list[int], opened: dict[Path, Any]
             where.update({e: (piece, i) for i, e in enumerate(piece.experts.get(path, ()))})
     lost = [e for e in ids if e not in where]
     if lost:
-        raise FrozenExpertsError(f"no file in {DIR}/ holds expert(s) {lost} of {name}. Copy every ep_rank_*.pt file "
-                                 "of the checkpoint from one save.")
+        raise FrozenExpertsError(say(ENTRY_ID, "experts-missing", "copy-from-one-save", folder=DIR, lost=lost,
+                                     name=name))
     rows = []
     for e in ids:
         piece, i = where[e]
@@ -301,9 +293,8 @@ def plans(module: torch.nn.Module, saved: SavedCheckpoint, target_ep_section: Ma
         if not targets or not sources & frozen_then:
             continue
         if not sources <= frozen_then:
-            raise FrozenExpertsError(f"{path}: the checkpoint trained some of its expert weights and kept others "
-                                     f"frozen ({sorted(sources & frozen_then)}), which cannot be fused into the "
-                                     "model's own tensors; resume with the same ep_size.")
+            raise FrozenExpertsError(say(ENTRY_ID, "mixed-frozen", "same-ep-size", path=path,
+                                         names=sorted(sources & frozen_then)))
         out.update({n: Plan("fuse", path, n[len(prefix):]) for n in targets})
     return out
 
@@ -356,8 +347,8 @@ def restore(module: torch.nn.Module, saved: SavedCheckpoint, target_ep_section: 
             continue
         shape = tuple(getattr(param, "ds_shape", param.shape))
         if tuple(value.shape) != shape:
-            raise FrozenExpertsError(f"{name}: the checkpoint's frozen experts give shape {list(value.shape)}, the "
-                                     f"model has {list(shape)}; resume with the model that was trained.")
+            raise FrozenExpertsError(say(ENTRY_ID, "shape-mismatch", "same-model", name=name,
+                                         saved_shape=list(value.shape), shape=list(shape)))
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             with torch.no_grad():
                 param.data.copy_(value.to(param.dtype))

@@ -19,6 +19,7 @@ import torch
 from lightning_zeromoe._private import torch as torch_private
 from lightning_zeromoe.checkpoint.autoep_names import (EXPERT_WEIGHTS as _EXPERT_WEIGHTS, ResumeShapeError, autoep_layers,
                                             block_names, local_experts, names_for, own_name, split_experts)
+from lightning_zeromoe.knowledge import say
 
 
 def to_autoep_state_dict(state_dict: Mapping[str, torch.Tensor], module: torch.nn.Module,
@@ -56,8 +57,8 @@ def to_autoep_state_dict(state_dict: Mapping[str, torch.Tensor], module: torch.n
             full = {w: out.pop(f"{path}.experts.{w}") for w in _EXPERT_WEIGHTS if f"{path}.experts.{w}" in out}
         for w, tensor in full.items():
             if tensor.shape[0] != layer.num_experts:
-                raise ResumeShapeError(f"{path}.experts.{w}: the state dict holds {tensor.shape[0]} experts, the "
-                                       f"layer has {layer.num_experts}; load_full_weights needs every expert.")
+                raise ResumeShapeError(say("resume-shape-unsupported", "missing-experts", path=path, w=w,
+                                           held=tensor.shape[0], num_experts=layer.num_experts))
             out[f"{path}.experts.{w}"] = tensor[ids].contiguous()
     return out
 
@@ -90,11 +91,10 @@ def load_gathered(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor
     if strict and (missing or unexpected or errors):
         parts = [f"missing {missing[:6]}" if missing else "", f"unexpected {unexpected[:6]}" if unexpected else "",
                  "; ".join(errors[:3])]
-        raise ResumeShapeError("load_full_weights: the state dict does not fit the model: "
-                               + "; ".join(p for p in parts if p) + ". Load a checkpoint of this model (its own "
-                               "names, or AutoEP names with every expert), or pass strict_loading=False.")
+        raise ResumeShapeError(say("resume-shape-unsupported", "full-weights-mismatch", "this-model-or-not-strict",
+                                   problems="; ".join(p for p in parts if p)))
     if errors:
-        raise ResumeShapeError("load_full_weights: " + "; ".join(errors[:3]))
+        raise ResumeShapeError(say("resume-shape-unsupported", "full-weights-errors", errors="; ".join(errors[:3])))
 
 
 __all__ = ["load_gathered", "to_autoep_state_dict"]

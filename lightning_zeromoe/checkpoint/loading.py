@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_zeromoe.checkpoint.errors import SHARD_CORRUPT, UNTRUSTED_OBJECT, ExportError
+from lightning_zeromoe.knowledge import say
 
 
 class _Inert:
@@ -64,19 +65,14 @@ def load_shard(path: Path, *, trust_checkpoint: bool = False) -> dict[str, Any]:
             if found is None:
                 raise
             if not trust_checkpoint:
-                raise ExportError(UNTRUSTED_OBJECT, f"{path} holds a {found} object, which is not a tensor or a known "
-                                  "DeepSpeed/Lightning value. Loading it would import and run code named by the file "
-                                  "(e.g. a class in your LightningModule's hyper-parameters). If you trust where this "
-                                  "checkpoint came from, pass --trust-checkpoint (trust_checkpoint=True); or save "
-                                  "plain values (numbers, strings, dicts) as hyper-parameters.") from None
+                raise ExportError(say(UNTRUSTED_OBJECT, "unknown-object", "trust-checkpoint", "plain-hparams",
+                                      path=path, found=found)) from None
             return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except ExportError:
         raise
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, ValueError, AttributeError, ImportError) as err:
         reason = (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0][:200]
-        raise ExportError(SHARD_CORRUPT, f"shard {path} is unreadable ({reason}): it is truncated or corrupt, e.g. an "
-                          "interrupted copy or a full disk at save time. Copy it again from the training machine, or "
-                          "export an earlier checkpoint.") from None
+        raise ExportError(say(SHARD_CORRUPT, "unreadable", "copy-again", path=path, reason=reason)) from None
 
 
 def unsafe_global(err: Exception) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 from lightning_zeromoe.checkpoint.errors import UNSUPPORTED_MODEL, ExportError
 from lightning_zeromoe.checkpoint.meta import LoraAdapter
 from lightning_zeromoe.checkpoint.plan import OutputTensor
+from lightning_zeromoe.knowledge import say
 
 _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight")
 
@@ -25,19 +26,17 @@ _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weig
 def split_lora(outputs: list[OutputTensor], adapters: list[LoraAdapter]) -> tuple[list[OutputTensor], list[OutputTensor]]:
     """(merged base model, adapter tensors) from the outputs of a PEFT-wrapped model."""
     if len(adapters) != 1:
-        raise ExportError(UNSUPPORTED_MODEL, f"{len(adapters)} PEFT adapters ({[a.name for a in adapters]}); export "
-                          "merges exactly one. Delete the others (model.delete_adapter(name)) before saving.")
+        raise ExportError(say(UNSUPPORTED_MODEL, "several-adapters", "delete-other-adapters",
+                              count=len(adapters), names=[a.name for a in adapters]))
     adapter = adapters[0]
     cfg = adapter.config
     if cfg.get("peft_type") not in ("LORA", None) or cfg.get("use_dora") or cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ExportError(UNSUPPORTED_MODEL, f"PEFT adapter {adapter.name!r} is {cfg.get('peft_type')} with "
-                          f"use_dora={cfg.get('use_dora')}, rank_pattern={cfg.get('rank_pattern')}, alpha_pattern="
-                          f"{cfg.get('alpha_pattern')}; export merges plain LoRA (one r and lora_alpha). Merge it "
-                          "yourself with PeftModel.merge_and_unload().")
+        raise ExportError(say(UNSUPPORTED_MODEL, "not-plain-lora", "merge-yourself", name=adapter.name,
+                              peft_type=cfg.get('peft_type'), use_dora=cfg.get('use_dora'),
+                              rank_pattern=cfg.get('rank_pattern'), alpha_pattern=cfg.get('alpha_pattern')))
     by_name = {o.name: o for o in outputs}
     if any(".modules_to_save." in n or ".original_module." in n for n in by_name):
-        raise ExportError(UNSUPPORTED_MODEL, "the PEFT model has modules_to_save; export merges LoRA layers only. "
-                          "Merge it yourself with PeftModel.merge_and_unload().")
+        raise ExportError(say(UNSUPPORTED_MODEL, "modules-to-save", "merge-yourself"))
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))

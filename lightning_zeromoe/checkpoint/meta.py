@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_zeromoe.checkpoint.errors import META_VERSION as META_VERSION_ID
 from lightning_zeromoe.checkpoint.errors import NOT_A_CHECKPOINT, ExportError
+from lightning_zeromoe.knowledge import say
 
 META_FILE = "zeromoe_meta.json"
 META_FORMAT = "lightning_zeromoe/export-meta"
@@ -107,14 +108,13 @@ class ExportMeta:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ExportError(NOT_A_CHECKPOINT, f"{source} is unreadable ({err}). It is rewritten by every "
-                              "trainer.save_checkpoint(...) under ZeroMoEStrategy; save the checkpoint again.") from None
+            raise ExportError(say(NOT_A_CHECKPOINT, "unreadable-meta", "save-again", source=source, err=err)) from None
         if not isinstance(data, dict) or data.get("format") != META_FORMAT or data.get("version") not in READABLE_VERSIONS:
             found = (data.get("format"), data.get("version")) if isinstance(data, dict) else (type(data).__name__, None)
-            raise ExportError(META_VERSION_ID, f"{source} has format {found[0]!r} version {found[1]!r}; this exporter "
-                              f"reads {META_FORMAT!r} versions {list(READABLE_VERSIONS)}. Export with the "
-                              "lightning_zeromoe version that trained the model (pip install "
-                              f"lightning-zeromoe=={data.get('versions', {}).get('lightning-zeromoe', '<version>') if isinstance(data, dict) else '<version>'}).")
+            raise ExportError(say(META_VERSION_ID, "format-version", "export-with-trained-version",
+                                  source=source, found_format=found[0], found_version=found[1],
+                                  meta_format=META_FORMAT, versions=list(READABLE_VERSIONS),
+                                  trained=data.get('versions', {}).get('lightning-zeromoe', '<version>') if isinstance(data, dict) else '<version>'))
         data = dict(data)
         data.pop("format")
         version = data.pop("version")
@@ -127,13 +127,12 @@ class ExportMeta:
             lora = [LoraAdapter(**a) for a in data.pop("lora", [])]
             meta = cls(**data, model=ModelInfo(**model), experts=experts, lora=lora, version=version)
         except TypeError as err:
-            raise ExportError(META_VERSION_ID, f"{source} does not have the fields of version {version} ({err}): "
-                              "it was edited or written by another tool. Save the checkpoint again.") from None
+            raise ExportError(say(META_VERSION_ID, "fields", "save-again", source=source, version=version,
+                                  err=err)) from None
         for block in meta.experts:
             if block.layout not in LAYOUTS:
-                raise ExportError(META_VERSION_ID, f"{source}: {block.module_path} has expert layout {block.layout!r}; "
-                                  f"known layouts are {list(LAYOUTS)}. Use the lightning_zeromoe version that "
-                                  "trained the model.")
+                raise ExportError(say(META_VERSION_ID, "expert-layout", "matching-version", source=source,
+                                      module_path=block.module_path, layout=block.layout, known=list(LAYOUTS)))
         return meta
 
 
@@ -141,5 +140,5 @@ def read_meta(path: Path) -> ExportMeta:
     try:
         text = path.read_text()
     except OSError as err:
-        raise ExportError(NOT_A_CHECKPOINT, f"{path} is unreadable ({err}).") from None
+        raise ExportError(say(NOT_A_CHECKPOINT, "unreadable-file", path=path, err=err)) from None
     return ExportMeta.from_json(text, source=str(path))

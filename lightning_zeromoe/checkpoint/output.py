@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lightning_zeromoe.checkpoint.errors import DISK_FULL, OUTPUT_PATH, ExportError, short_list
+from lightning_zeromoe import knowledge
+from lightning_zeromoe.knowledge import say
 
 try:  # Unix; without it (Windows) a leftover work directory is reported, never removed
     import fcntl
@@ -63,14 +65,11 @@ def check_location(out: Path, ckpt_dir: Path) -> None:
     """Refuse an OUT that is the checkpoint, inside it, or above it, or whose parent is missing."""
     final, ckpt = real(out), real(ckpt_dir)
     if final == ckpt or ckpt in final.parents:
-        raise ExportError(OUTPUT_PATH, f"refusing to write {out} inside the checkpoint directory {ckpt_dir}: the "
-                          "source checkpoint is never modified. Choose a path outside it.")
+        raise ExportError(say(OUTPUT_PATH, "inside-checkpoint", "path-outside", out=out, ckpt_dir=ckpt_dir))
     if final in ckpt.parents:
-        raise ExportError(OUTPUT_PATH, f"refusing to write {out}: it contains the checkpoint {ckpt}, and the source "
-                          "checkpoint is never modified (replacing OUT would delete it). Choose a new directory "
-                          "that does not contain the checkpoint, e.g. one next to it.")
+        raise ExportError(say(OUTPUT_PATH, "contains-checkpoint", "new-directory", out=out, ckpt=ckpt))
     if not final.parent.is_dir():
-        raise ExportError(OUTPUT_PATH, f"output directory {out.parent} does not exist. Create it first.")
+        raise ExportError(say(OUTPUT_PATH, "no-parent", "create-parent", parent=out.parent))
 
 
 def check_existing(out: Path, overwrite: bool) -> None:
@@ -80,29 +79,25 @@ def check_existing(out: Path, overwrite: bool) -> None:
         return
     if out.suffix == ".safetensors":
         if not final.is_file():
-            raise ExportError(OUTPUT_PATH, f"{out} exists and is not a file. Choose another path.")
+            raise ExportError(say(OUTPUT_PATH, "not-a-file", "another-path", out=out))
         if not written_by_export(final):
-            raise ExportError(OUTPUT_PATH, f"{out} exists and zeromoe-export did not write it (its header names no "
-                              f"producer '{PRODUCER}'), so it is not replaced, even with --overwrite. Choose another "
-                              "path, or move that file away first.")
+            raise ExportError(say(OUTPUT_PATH, "foreign-file", "another-or-move-file", out=out,
+                                  producer=PRODUCER))
     else:
         if not final.is_dir():
-            raise ExportError(OUTPUT_PATH, f"{out} exists and is not a directory. Choose another path.")
+            raise ExportError(say(OUTPUT_PATH, "not-a-directory", "another-path", out=out))
         if not any(final.iterdir()):
             return  # an empty directory: nothing to lose
         marker = read_marker(final)
         if marker is None:
-            raise ExportError(OUTPUT_PATH, f"{out} is not empty and holds no readable {MARKER_FILE}: zeromoe-export "
-                              "did not write it, so it is not replaced, even with --overwrite. Choose a new or empty "
-                              "directory, or move its contents away first.")
+            raise ExportError(say(OUTPUT_PATH, "foreign-directory", "new-or-empty", out=out,
+                                  marker_file=MARKER_FILE))
         foreign = foreign_entries(final, marker)
         if foreign:
-            raise ExportError(OUTPUT_PATH, f"{out} holds an earlier export plus {len(foreign)} file(s) zeromoe-export "
-                              f"did not write ({short_list(foreign)}), so it is not replaced, even with --overwrite. "
-                              "Move those files out of it first, or choose another path.")
+            raise ExportError(say(OUTPUT_PATH, "foreign-files", "move-files-out", out=out, count=len(foreign),
+                                  names=short_list(foreign)))
     if not overwrite:
-        raise ExportError(OUTPUT_PATH, f"{out} already exists. Choose another path, or pass --overwrite "
-                          "(overwrite=True) to replace it.")
+        raise ExportError(say(OUTPUT_PATH, "exists", "another-or-overwrite", out=out))
 
 
 def read_marker(directory: Path) -> dict[str, Any] | None:
@@ -164,11 +159,9 @@ def disk_full(err: BaseException, out: Path, needed_bytes: int) -> ExportError |
         code = int(found.group(1))
     if code not in _DISK_FULL_ERRNOS:
         return None
-    return ExportError(DISK_FULL, f"writing the export to {out} failed: {os.strerror(code)} "
-                       f"({errno.errorcode[code]}) on the filesystem of {real(out).parent}; the export needs about "
-                       f"{needed_bytes / 1e6:,.1f} MB there. The partial output was removed; the checkpoint and "
-                       f"anything already at {out} are unchanged. Free space (or raise the quota or file-size limit) "
-                       "and run the same command again, or write to another filesystem.")
+    return ExportError(say(DISK_FULL, "write-failed", "free-space-or-elsewhere", out=out,
+                           reason=os.strerror(code), code=errno.errorcode[code], parent=real(out).parent,
+                           megabytes=needed_bytes / 1e6))
 
 
 class Staging:
@@ -196,11 +189,10 @@ class Staging:
                 continue
             state, owner = _probe(entry)
             if state == "live":
-                raise ExportError(OUTPUT_PATH, f"another zeromoe-export ({owner}) is writing {self.out} right now, in "
-                                  f"{entry}. Wait for it to finish, or choose another path.")
+                raise ExportError(say(OUTPUT_PATH, "locked", "wait-or-another", owner=owner, out=self.out,
+                                      entry=entry))
             if state == "unknown":
-                self._say(f"left {entry} in place: this filesystem has no file locks to tell whether an export "
-                          "is still writing it; delete it once no zeromoe-export is running")
+                self._say(knowledge.message(OUTPUT_PATH, "left-in-place").render(entry=entry))
                 continue
             old = entry / _OLD
             if old.is_dir() and not os.path.lexists(self.final):
@@ -216,8 +208,8 @@ class Staging:
         except OSError as err:
             if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
-            raise ExportError(OUTPUT_PATH, f"cannot create a directory in {self.out.parent} ({err.strerror}). Choose "
-                              "an output path in a directory you can write to.") from None
+            raise ExportError(say(OUTPUT_PATH, "unwritable", "writable-path", parent=self.out.parent,
+                                  strerror=err.strerror)) from None
         self._lock = os.open(self.work / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if fcntl is not None:

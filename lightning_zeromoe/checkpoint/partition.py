@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from lightning_zeromoe.checkpoint.errors import SHARDS_MISMATCH, ExportError
+from lightning_zeromoe.knowledge import say
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,15 @@ def partition_members(records: Sequence[Sequence[GroupRecord]], sub_group: int) 
         rec = recs[sub_group]
         members = groups.setdefault(rec.partition_ranks, {})
         if rec.partition_rank in members:
-            raise ExportError(SHARDS_MISMATCH, f"parameter group {sub_group}: ranks {members[rec.partition_rank]} and "
-                              f"{rank} both claim partition rank {rec.partition_rank} of {list(rec.partition_ranks)}. "
-                              "Copy every rank's files from one save.")
+            raise ExportError(say(SHARDS_MISMATCH, "partition-claimed", "copy-all-ranks", sub_group=sub_group,
+                                  other=members[rec.partition_rank], rank=rank, partition_rank=rec.partition_rank,
+                                  ranks=list(rec.partition_ranks)))
         members[rec.partition_rank] = rank
     out = {}
     for key, members in groups.items():
         if sorted(members) != list(range(len(key))):
-            raise ExportError(SHARDS_MISMATCH, f"parameter group {sub_group}: partition ranks 0..{len(key) - 1} of "
-                              f"{list(key)} expected, found {sorted(members)}. Copy every rank's files from one save.")
+            raise ExportError(say(SHARDS_MISMATCH, "partition-ranks", "copy-all-ranks", sub_group=sub_group,
+                                  last=len(key) - 1, key=list(key), found=sorted(members)))
         out[key] = [members[p] for p in range(len(key))]
     return out
 
@@ -99,8 +100,8 @@ def join_pieces(pieces: Sequence[Any], shape: Sequence[int]) -> Any:
     numel = math.prod(shape)
     have = sum(p.numel() for p in pieces)
     if have < numel:
-        raise ExportError(SHARDS_MISMATCH, f"a tensor of shape {list(shape)} needs {numel} values but its partitions "
-                          f"hold {have}: the shards do not belong to this model. Copy every rank's files from one save.")
+        raise ExportError(say(SHARDS_MISMATCH, "partitions-size", "copy-all-ranks", shape=list(shape),
+                              numel=numel, have=have))
     joined = pieces[0] if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
     return joined.reshape(-1)[:numel].reshape(tuple(shape))
 
@@ -108,9 +109,8 @@ def join_pieces(pieces: Sequence[Any], shape: Sequence[int]) -> Any:
 def read_slice(flat: Any, piece: FlatSlice, *, where: str) -> Any:
     """``piece`` of one member's flat partition (a view; nothing is copied)."""
     if flat.numel() < piece.offset + piece.length:
-        raise ExportError(SHARDS_MISMATCH, f"{where}: its fp32 partition ends at {flat.numel()} values, before "
-                          f"{piece.name} ({piece.offset + piece.length} needed): the shard does not belong to this "
-                          "model. Copy every rank's files from one save.")
+        raise ExportError(say(SHARDS_MISMATCH, "partition-short", "copy-all-ranks", where=where,
+                              end=flat.numel(), name=piece.name, needed=piece.offset + piece.length))
     return flat.narrow(0, piece.offset, piece.length)
 
 
@@ -127,8 +127,8 @@ def global_expert_ids(layer: Mapping[str, Any]) -> list[int]:
 def check_expert_ids(found: Sequence[int], num_experts: int, *, name: str) -> None:
     """The expert-parallel ranks' pieces together hold every global id 0..E-1 exactly once."""
     if sorted(found) != list(range(num_experts)):
-        raise ExportError(SHARDS_MISMATCH, f"{name}: experts {sorted(found)} found, expected 0..{num_experts - 1}. "
-                          "Copy every rank's files from one save.")
+        raise ExportError(say(SHARDS_MISMATCH, "expert-ids", "copy-all-ranks", name=name, found=sorted(found),
+                              last=num_experts - 1))
 
 
 def stack_experts(parts: Mapping[int, Any], num_experts: int, *, name: str) -> Any:

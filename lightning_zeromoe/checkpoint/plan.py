@@ -13,6 +13,7 @@ from typing import Any, Callable
 from lightning_zeromoe.checkpoint.errors import SHARDS_MISMATCH, ExportError, short_list
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta
 from lightning_zeromoe.checkpoint.sources import Catalog, ExpertSource, Reader, Source
+from lightning_zeromoe.knowledge import say
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,16 @@ def plan_outputs(catalog: Catalog, meta: ExportMeta) -> list[OutputTensor]:
     if missing:
         problems.append(f"missing from the shards: {short_list(missing)}")
     if problems:
-        raise ExportError(SHARDS_MISMATCH, f"the checkpoint shards do not match the model described by {META_FILE} (a "
-                          f"mismatched model or mixed files): {'; '.join(problems)}. Export the directory exactly as "
-                          "trainer.save_checkpoint(...) wrote it; do not mix files from different runs.")
+        raise ExportError(say(SHARDS_MISMATCH, "plan", "export-as-written", meta_file=META_FILE,
+                              problems='; '.join(problems)))
     return [OutputTensor(name, tuple(meta.shapes[name]), build) for name, build in built.items()]
 
 
 def check_shape(out: OutputTensor, tensor: Any) -> None:
     """The tensor read must have the shape recorded at save time."""
     if tuple(tensor.shape) != out.shape:
-        raise ExportError(SHARDS_MISMATCH, f"{out.name}: read {list(tensor.shape)}, but {META_FILE} records "
-                          f"{list(out.shape)} (a mismatched model or mixed files). Export the directory exactly as "
-                          "trainer.save_checkpoint(...) wrote it.")
+        raise ExportError(say(SHARDS_MISMATCH, "shape", "export-as-written", name=out.name,
+                              read=list(tensor.shape), meta_file=META_FILE, recorded=list(out.shape)))
 
 
 def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
@@ -96,7 +95,7 @@ def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
             return torch.cat(halves, dim=1 if block.layout == "gate_up_first" else 2)
         shape = (shapes or {}).get(t["gate_up"])
         if shape is None:
-            raise ExportError(SHARDS_MISMATCH, f"{t['gate_up']}: no recorded shape in {META_FILE}.")
+            raise ExportError(say(SHARDS_MISMATCH, "no-fused-shape", name=t['gate_up'], meta_file=META_FILE))
         out = torch.empty(tuple(shape), dtype=torch.float32)
         ffn = shape[1] // 2 if block.layout == "gate_up_first" else shape[2] // 2
         if block.layout == "gate_up_first":

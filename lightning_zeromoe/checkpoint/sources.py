@@ -26,6 +26,7 @@ from lightning_zeromoe.checkpoint.loading import load_shard
 from lightning_zeromoe.checkpoint.meta import ExportMeta
 from lightning_zeromoe.checkpoint.partition import (FlatSlice, flat_slices, global_expert_ids, group_records,
                                                     check_expert_ids, join_pieces, partition_members, read_slice)
+from lightning_zeromoe.knowledge import say
 
 _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
@@ -137,11 +138,11 @@ class Reader:
                     self._pieces[key] = self.read(sub)
                 piece = self._pieces[key]
                 if piece.shape[0] != len(ids):
-                    raise ExportError(SHARDS_MISMATCH, f"{source.name}: a rank holds {piece.shape[0]} experts but "
-                                      f"its placement lists {list(ids)}. Copy every rank's files from one save.")
+                    raise ExportError(say(SHARDS_MISMATCH, "placement-fill", "copy-all-ranks",
+                                          name=source.name, held=piece.shape[0], list_ids=list(ids)))
                 return piece[list(ids).index(index)].clone()
-        raise ExportError(SHARDS_MISMATCH, f"{source.name}: no rank's shard holds expert {index} of "
-                          f"{source.num_experts}. Copy every rank's files from one save.")
+        raise ExportError(say(SHARDS_MISMATCH, "expert-missing", "copy-all-ranks", name=source.name,
+                              index=index, num_experts=source.num_experts))
 
     def fill(self, source: "ExpertSource", out: Any) -> Any:
         """Write an expert weight into ``out`` (``[E, ...]``, may be a strided view of a larger
@@ -152,8 +153,8 @@ class Reader:
         for ids, sub in source.parts:
             local = self.read(sub)
             if local.shape[0] != len(ids):
-                raise ExportError(SHARDS_MISMATCH, f"{source.name}: a rank holds {local.shape[0]} experts but its "
-                                  f"placement lists {list(ids)}. Copy every rank's files from one save.")
+                raise ExportError(say(SHARDS_MISMATCH, "placement-fill", "copy-all-ranks", name=source.name,
+                                      held=local.shape[0], list_ids=list(ids)))
             if out is None:
                 out = torch.empty((source.num_experts, *local.shape[1:]), dtype=local.dtype)
             out[list(ids)] = local
@@ -167,9 +168,8 @@ def catalog(ckpt_dir: Path, meta: ExportMeta, *, trust_checkpoint: bool = False)
     """Every tensor the shards of ``ckpt_dir / meta.tag`` hold, by DeepSpeed name."""
     tag_dir = ckpt_dir / meta.tag
     if not tag_dir.is_dir():
-        raise ExportError(NOT_A_CHECKPOINT, f"{tag_dir} is missing: the DeepSpeed shards of this checkpoint are gone. "
-                          "Copy the whole directory that trainer.save_checkpoint(...) wrote, including its "
-                          f"'{meta.tag}/' folder.")
+        raise ExportError(say(NOT_A_CHECKPOINT, "tag-dir-missing", "copy-with-tag", tag_dir=tag_dir,
+                              tag=meta.tag))
     reader = Reader(trust_checkpoint=trust_checkpoint)
     if meta.zero_stage == 3:
         return _zero3(tag_dir, meta, reader)
@@ -182,39 +182,35 @@ def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
         m = _ZERO3_MODEL.fullmatch(f.name)
         if m:
             if int(m.group(2)) != 0:
-                raise ExportError(SHARDS_MISMATCH, f"{f.name}: tensor/pipeline-parallel shards (mp_rank > 0) are "
-                                  "not supported.")
+                raise ExportError(say(SHARDS_MISMATCH, "model-parallel", name=f.name))
             found[int(m.group(1))] = f
     world = meta.world_size
     missing = [r for r in range(world) if r not in found]
     if missing or len(found) != world:
-        raise ExportError(SHARDS_MISMATCH, f"{tag_dir} holds model shards for ranks {sorted(found)} but the run had "
-                          f"{world} ranks (missing: {missing or 'none'}; extra: "
-                          f"{sorted(set(found) - set(range(world))) or 'none'}). Copy every rank's files: each holds "
-                          "a different part of the model.")
+        raise ExportError(say(SHARDS_MISMATCH, "ranks", "copy-every-rank", tag_dir=tag_dir,
+                              found=sorted(found), world=world, missing=missing or 'none',
+                              extra=sorted(set(found) - set(range(world))) or 'none'))
     models = [found[r] for r in range(world)]
     optims = [_optim_states_of(f) for f in models]
     for o in optims:
         if not o.is_file():
-            raise ExportError(SHARDS_MISMATCH, f"{o} is missing: under ZeRO-3 the weights live in the optimizer "
-                              "shards (fp32 master copies). Copy every rank's *_optim_states.pt file.")
+            raise ExportError(say(SHARDS_MISMATCH, "optim-missing", "copy-optim-states", o=o))
     out = Catalog(files=models + optims)
     shapes, records, layers = [], [], []
     for rank, (mf, of) in enumerate(zip(models, optims)):
         model, optim = reader.file(mf), reader.file(of)
         osd = optim.get("optimizer_state_dict") if isinstance(optim, dict) else None
         if not isinstance(osd, dict) or "fp32_flat_groups" not in osd or "param_shapes" not in model:
-            raise ExportError(SHARDS_MISMATCH, f"{of} / {mf} are not ZeRO stage-3 shards (no fp32_flat_groups / "
-                              "param_shapes) although zeromoe_meta.json says stage 3: the directory mixes saves.")
+            raise ExportError(say(SHARDS_MISMATCH, "not-stage3", of=of, mf=mf))
         shapes.append([dict(s) for s in model["param_shapes"]])
         n = len(osd["fp32_flat_groups"])
         if n != len(shapes[-1]):
-            raise ExportError(SHARDS_MISMATCH, f"{mf}: {len(shapes[-1])} parameter groups but {n} flat fp32 partitions "
-                              f"in {of.name}: the two files come from different saves. Copy both from one save.")
+            raise ExportError(say(SHARDS_MISMATCH, "group-count", "both-from-one-save", mf=mf,
+                                  groups=len(shapes[-1]), n=n, name=of.name))
         records.append(group_records(osd.get("ds_zero_partition_groups"), num_groups=n, rank=rank, world_size=world))
         if len(records[-1]) != len(records[0]):
-            raise ExportError(SHARDS_MISMATCH, f"{mf} has {len(records[-1])} parameter groups, rank 0 has "
-                              f"{len(records[0])}: the shards come from different runs. Copy all ranks' files from one save.")
+            raise ExportError(say(SHARDS_MISMATCH, "rank-groups", "copy-all-ranks", mf=mf,
+                                  groups=len(records[-1]), rank0_groups=len(records[0])))
         layers.append({e["expert_key_prefix"]: e for e in (model.get("ds_autoep_layers") or [])})
         if rank == 0:
             for name in model.get("buffer_names") or []:
@@ -228,20 +224,19 @@ def _zero3(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
         for key, members in partition_members(records, g).items():
             names = shapes[members[0]][g]
             if any(shapes[m][g] != names for m in members):
-                raise ExportError(SHARDS_MISMATCH, f"parameter group {g} lists other parameters on ranks {members}: "
-                                  "the shards come from different runs. Copy every rank's files from one save.")
+                raise ExportError(say(SHARDS_MISMATCH, "group-members", "copy-all-ranks", g=g,
+                                      members=members))
             for piece in flat_slices(names, len(key)):
                 src = FlatSource(tuple((optims[m], g) for m in members), piece)
                 if not records[members[0]][g].is_expert:
                     if piece.name in out.tensors:
-                        raise ExportError(SHARDS_MISMATCH, f"{piece.name} appears in two partition groups; the shards "
-                                          "are inconsistent.")
+                        raise ExportError(say(SHARDS_MISMATCH, "two-groups", name=piece.name))
                     out.tensors[piece.name] = src
                     continue
                 layer = layers[members[0]].get(piece.name.rsplit(".", 1)[0])
                 if layer is None:
-                    raise ExportError(SHARDS_MISMATCH, f"{models[members[0]].name}: expert parameter {piece.name} has "
-                                      "no ds_autoep_layers entry.")
+                    raise ExportError(say(SHARDS_MISMATCH, "no-autoep-entry", name=models[members[0]].name,
+                                          parameter=piece.name))
                 experts.setdefault(piece.name, []).append((tuple(global_expert_ids(layer)), src))
     for name, parts in experts.items():
         total = layers[0][name.rsplit(".", 1)[0]]["num_experts"]
@@ -258,13 +253,12 @@ def _frozen_experts(ckpt_dir: Path, out: Catalog, reader: Reader, expected: list
 
     frozen = [n for n in expected if n not in out.tensors]
     if frozen and manifest(ckpt_dir) is None:
-        raise ExportError(ENTRY_ID, f"{ckpt_dir} has frozen AutoEP experts ({frozen[0]}, ...) but no {DIR}/ folder, "
-                          "where ZeroMoEStrategy saves them: copy the whole checkpoint directory, or export a "
-                          "checkpoint ZeroMoEStrategy saved.")
+        raise ExportError(say(ENTRY_ID, "export-without-folder", "copy-whole-checkpoint", ckpt_dir=ckpt_dir,
+                              first=frozen[0], folder=DIR))
     try:
         found = pieces(ckpt_dir, trust_checkpoint=reader.trust_checkpoint)
     except FrozenExpertsError as err:
-        raise ExportError(ENTRY_ID, str(err).removeprefix(f"[{ENTRY_ID}] ")) from None
+        raise ExportError(str(err)) from None
     parts: dict[str, list[tuple[tuple[int, ...], Source]]] = {}
     totals: dict[str, int] = {}
     for piece in found:
@@ -289,8 +283,8 @@ def _optim_states_of(model_states: Path) -> Path:
 def _dense(tag_dir: Path, meta: ExportMeta, reader: Reader) -> Catalog:
     model_file = tag_dir / _DENSE_MODEL
     if not model_file.is_file():
-        raise ExportError(SHARDS_MISMATCH, f"{model_file} is missing: a ZeRO stage-{meta.zero_stage} checkpoint keeps "
-                          "the model weights there. Copy the whole directory trainer.save_checkpoint(...) wrote.")
+        raise ExportError(say(SHARDS_MISMATCH, "model-file-missing", "copy-whole", model_file=model_file,
+                              zero_stage=meta.zero_stage))
     model = reader.file(model_file)
     out = Catalog(files=[model_file])
     for name in model.get("module") or {}:

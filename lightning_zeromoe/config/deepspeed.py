@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from lightning_zeromoe.knowledge import say
+
 #: Bucket size the field notes recommend for MoE under stage 3 (elements, not bytes).
 DEFAULT_BUCKET_SIZE = 50_000_000
 
@@ -106,7 +108,7 @@ def load_user_config(config: str | Path | Mapping[str, Any] | None) -> dict[str,
         return copy.deepcopy(dict(config))
     path = Path(config)
     if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config file not found: {path}. Pass a dict or an existing JSON path.")
+        raise FileNotFoundError(say("config-file-format", "not-found", "dict-or-existing-path", path=path))
     try:
         loaded = json.loads(path.read_text())
     except json.JSONDecodeError as err:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from lightning_zeromoe.config.validation import ZeroMoEConfigError
+from lightning_zeromoe.knowledge import say
 
 #: Handed to ``DeepSpeedStrategy.__init__`` unchanged; the parent uses them itself (devices, the
 #: process group, DeepSpeed's log level, zero.Init's remote device, fp16 loss scaling in
@@ -57,9 +58,9 @@ MAPPED: dict[str, tuple[str, str]] = {
     "nvme_path": ("zero_optimization.offload_*", "nvme_path"),
 }
 
-#: keyword -> what to use instead.
+#: keyword -> the fix (entry ``strategy-keyword-refused``) that says what to use instead.
 REFUSED: dict[str, str] = {
-    "zero_optimization": "ZeroMoEStrategy always configures ZeRO; for no partitioning use stage=0",
+    "zero_optimization": "zero-optimization-stage",
 }
 
 #: Lightning's environment variable for a DeepSpeed config path (read as Lightning reads it).
@@ -112,9 +113,8 @@ def split_keywords(kwargs: Mapping[str, Any], *, offload_optimizer: bool, offloa
     mapped: dict[str, Any] = {}
     for name, value in kwargs.items():
         if name in REFUSED:
-            raise ZeroMoEConfigError(
-                f"[strategy-keyword-refused] ZeroMoEStrategy does not take DeepSpeedStrategy's {name}={value!r}: "
-                f"{REFUSED[name]}.")
+            raise ZeroMoEConfigError(say("strategy-keyword-refused", "deepspeed-keyword", REFUSED[name], name=name,
+                                         value=value))
         if name in MAPPED:
             section = MAPPED[name][0]
             needs = {"zero_optimization.offload_optimizer": ("offload_optimizer", offload_optimizer),
@@ -123,9 +123,8 @@ def split_keywords(kwargs: Mapping[str, Any], *, offload_optimizer: bool, offloa
                                                      offload_optimizer or offload_parameters)}.get(section)
             if needs is not None and not needs[1]:
                 raise ZeroMoEConfigError(
-                    f"[strategy-keyword-refused] {name}={value!r} configures offloading, but {needs[0]} is off, so "
-                    f"it would change nothing. Pass ZeroMoEStrategy({needs[0].split(' or ')[0]}=True, {name}=...), "
-                    f"or drop {name}.")
+                    say("strategy-keyword-refused", "offload-off", "offload-on-or-drop", name=name, value=value,
+                        needs=needs[0], switch=needs[0].split(' or ')[0]))
             mapped[name] = value
         else:
             passed[name] = value

@@ -16,6 +16,7 @@ from lightning_zeromoe.config.deepspeed import ZeroOptions, load_user_config
 from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, LightningKeywords, config_source, split_keywords
 from lightning_zeromoe.config.resolve import effective_ep_size, effective_grouped_experts
 from lightning_zeromoe.discovery.find import MoEPattern
+from lightning_zeromoe.knowledge import say
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts:
                       **zero: Any) -> StrategySettings:
     """``zero``: the remaining :class:`ZeroOptions` fields (buckets, thresholds, flags), as passed."""
     if isinstance(stage, str) and stage != "auto":
-        raise ValueError(f"stage={stage!r}: use 0, 1, 2, 3 or 'auto' (the memory planner picks the lowest that fits).")
+        raise ValueError(say("strategy-argument-invalid", "stage", "valid-stage", stage=stage))
     auto_stage = stage == "auto"
     ints = {k: int(v) for k, v in zero.items() if k.endswith(("_size", "_threshold"))}
     options = ZeroOptions(stage=3 if auto_stage else int(stage), ep_size=1 if ep_size is None else ep_size,

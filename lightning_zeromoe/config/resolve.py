@@ -26,6 +26,7 @@ from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, conver
 from lightning_zeromoe.discovery.find import Discovery
 from lightning_zeromoe.config.native_moe import native_ep
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
+from lightning_zeromoe.knowledge import say
 
 
 @dataclass(frozen=True)
@@ -71,17 +72,13 @@ def effective_ep_size(ep_size: int, user: Mapping[str, Any] | None) -> int:
     if section.get("enabled") is False:
         if ep_size > 1:
             raise ZeroMoEConfigError(
-                f"[ep-disabled-by-config] ZeroMoEStrategy(ep_size={ep_size}) asks for expert parallelism, but your "
-                "DeepSpeed config sets expert_parallel.enabled: false. Choose one: drop the expert_parallel "
-                "section from the config to train with ep_size experts groups, or pass ep_size=1 to train "
-                "without expert parallelism.")
+                say("ep-disabled-by-config", "ep-size", "drop-expert-parallel-section", "ep-size-1", ep_size=ep_size))
         return 1
     if "autoep_size" in section:
         size = section["autoep_size"]
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ZeroMoEConfigError(
-                f"[merged-config-invalid] expert_parallel.autoep_size={size!r} in your config must be a positive "
-                "integer (or remove it and pass ZeroMoEStrategy(ep_size=...)).")
+                say("merged-config-invalid", "autoep-size", "fix-or-remove-key", size=size))
         return size
     return ep_size
 
@@ -97,16 +94,10 @@ def effective_grouped_experts(grouped_experts: bool, ep_size: int, user: Mapping
     section = user_section(user, "expert_parallel")
     if grouped_experts and section.get("enabled") is False:
         raise ZeroMoEConfigError(
-            f"[ep-disabled-by-config] ZeroMoEStrategy(ep_size={ep_size}, grouped_experts=True) asks for AutoEP's "
-            "grouped-experts layer, but your DeepSpeed config sets expert_parallel.enabled: false, which skips "
-            "AutoEP. Choose one: drop expert_parallel.enabled from the config, or pass grouped_experts=False to "
-            "train the blocks as they are.")
+            say("ep-disabled-by-config", "grouped-experts", "drop-enabled-or-grouped-false", ep_size=ep_size))
     if grouped_experts and section.get("use_grouped_mm") is False:
         raise ZeroMoEConfigError(
-            "[merged-config-invalid] expert_parallel.use_grouped_mm=false in your config contradicts "
-            "ZeroMoEStrategy(grouped_experts=True), which exists to run the experts as one grouped GEMM. Remove "
-            "use_grouped_mm from the config (the strategy turns it on where torch's grouped GEMM runs: bf16 on "
-            "CUDA), or pass grouped_experts=False.")
+            say("merged-config-invalid", "use-grouped-mm-off", "remove-use-grouped-mm"))
     return grouped_experts or (ep_size == 1 and section.get("enabled") is True)
 
 
@@ -121,8 +112,7 @@ def effective_stage(stage: int, auto: bool, user: Mapping[str, Any] | None,
     if user_stage is not None:
         if user_stage not in (0, 1, 2, 3):
             raise ZeroMoEConfigError(
-                f"[merged-config-invalid] zero_optimization.stage={user_stage!r} in your config is not a ZeRO stage; "
-                "use 0, 1, 2 or 3 (or remove it and pass ZeroMoEStrategy(stage=...)).")
+                say("merged-config-invalid", "zero-stage", "fix-or-remove-key", user_stage=user_stage))
         why = f"ZeroMoEStrategy: zero_optimization.stage={user_stage} from your config"
         return int(user_stage), why + (" (stage='auto' not consulted)" if auto else "")
     if auto and choose is not None:
@@ -171,7 +161,7 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     try:
         options = dataclasses.replace(options, stage=stage, ep_size=ep_size, grouped_experts=grouped)
     except ValueError as err:
-        raise ZeroMoEConfigError(f"[merged-config-invalid] {err}") from None
+        raise ZeroMoEConfigError(say("merged-config-invalid", "options", error=err)) from None
     layout = Layout(world_size=world.world_size, devices_per_node=world.devices_per_node, ep_size=ep_size,
                     stage=stage, precision=world.precision, grouped_experts=grouped)
     warnings = check_layout(layout, found)
@@ -239,11 +229,8 @@ def check_offload_optimizer(config: Mapping[str, Any], optimizer_class: type | N
     if module.startswith("deepspeed."):
         return
     raise ZeroMoEConfigError(
-        f"[offload-needs-ds-cpu-optimizer] offload_optimizer is on (device={offload.get('device')!r}) but "
-        f"configure_optimizers returned {module}.{optimizer_class.__qualname__}: DeepSpeed runs the offloaded "
-        "step on the CPU only with its own optimizer. Return "
-        "deepspeed.ops.adam.DeepSpeedCPUAdam(self.parameters(), lr=..., adamw_mode=True) (same AdamW math), "
-        "or drop offload_optimizer.")
+        say("offload-needs-ds-cpu-optimizer", "torch-optimizer", "use-deepspeed-cpu-adam",
+            device=offload.get('device'), module=module, qualname=optimizer_class.__qualname__))
 
 
 def zero_init_config(options: ZeroOptions, *, auto_stage: bool, keyword_sections: Mapping[str, Any] | None = None,

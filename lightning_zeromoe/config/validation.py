@@ -13,22 +13,20 @@ from typing import Any, Mapping
 
 from lightning_zeromoe.compat import NATIVE_MOE_ZERO3_MESSAGE
 from lightning_zeromoe.discovery.find import Discovery
+from lightning_zeromoe.knowledge import entry_of, say
 
 
 class ZeroMoEConfigError(ValueError):
     """A setting that cannot work, found before any process starts communicating.
 
-    The message starts with ``[<entry-id>] ``, the troubleshooter knowledge-base entry that explains
-    it; ``entry_id`` holds that id.
+    The message (``knowledge.say(entry_id, ...)``) starts with ``[<entry-id>] ``, the knowledge-base
+    entry that explains it; ``entry_id`` holds that id.
     """
 
     @property
     def entry_id(self) -> str | None:
         """The knowledge-base entry the message cites (``[<entry-id>] ...``), if any."""
-        message = str(self)
-        if message.startswith("[") and "] " in message:
-            return message[1:message.index("] ")]
-        return None
+        return entry_of(str(self))
 
 
 @dataclass(frozen=True)
@@ -60,11 +58,8 @@ def check_layout(layout: Layout, found: Discovery) -> list[str]:
 def _check_native_moe(layout: Layout, found: Discovery) -> None:
     if layout.stage == 3 and found.native_moe:
         raise ZeroMoEConfigError(
-            f"[native-moe-zero3] {len(found.native_moe)} native deepspeed.moe.layer.MoE module(s) found ({found.native_moe[0]}, ...), "
-            f"and DeepSpeed refuses them under ZeRO stage 3 (\"{NATIVE_MOE_ZERO3_MESSAGE}\"). Two ways out: "
-            "(1) keep stage 3 and let AutoEP convert a plain MoE block: a Hugging Face MoE model "
-            "(Mixtral, Qwen3-MoE, DeepSeek-V2/V3) or your own block described with moe_pattern=MoEPattern(...); "
-            "(2) keep the native layers and use ZeroMoEStrategy(stage=2) (or 1).")
+            say("native-moe-zero3", "refused-under-zero3", "autoep-or-stage2", count=len(found.native_moe),
+                first=found.native_moe[0], refusal=NATIVE_MOE_ZERO3_MESSAGE))
 
 
 def _check_blocks_found(layout: Layout, found: Discovery) -> None:
@@ -74,20 +69,17 @@ def _check_blocks_found(layout: Layout, found: Discovery) -> None:
         where = "\n  ".join(found.candidates) or "(no module name mentions moe/expert/router/gate)"
         asked = f"ep_size={layout.ep_size}" if layout.ep_size > 1 else "grouped_experts=True"
         raise ZeroMoEConfigError(
-            f"[autoep-no-moe-layers] {asked} but no MoE block was found for AutoEP to convert "
-            f"(searched: {found.source if found.source != 'none' else 'HF presets and self-described modules'}). "
-            "Describe your blocks with ZeroMoEStrategy(moe_pattern=MoEPattern(block=r'...', top_k=...)), "
-            f"or use ep_size=1{' and grouped_experts=False' if layout.grouped_experts else ''}. Modules that look "
-            f"MoE-like:\n  {where}")
+            say("autoep-no-moe-layers", "no-block-found", "describe-blocks", asked=asked,
+                searched=found.source if found.source != 'none' else 'HF presets and self-described modules',
+                also=' and grouped_experts=False' if layout.grouped_experts else '', candidates=where))
 
 
 def check_ep_divides_world(ep_size: int, world_size: int) -> None:
     """Expert-parallel groups of ``ep_size`` ranks must tile the world."""
     if world_size % ep_size:
         raise ZeroMoEConfigError(
-            f"[ep-size-divisibility] ep_size={ep_size} does not divide the world size {world_size} (devices x num_nodes): experts "
-            f"are split over groups of ep_size ranks and the groups must tile the world. Use one of "
-            f"{divisors(world_size)}, or change devices/num_nodes.")
+            say("ep-size-divisibility", "world-size", "use-world-divisor", ep_size=ep_size, world_size=world_size,
+                valid=divisors(world_size)))
 
 
 def _check_experts(layout: Layout, found: Discovery) -> None:
@@ -95,29 +87,25 @@ def _check_experts(layout: Layout, found: Discovery) -> None:
         # With native MoE layers AutoEP converts nothing (native_moe.py), so ep_size splits no block.
         if block.num_experts % layout.ep_size and not found.native_moe:
             raise ZeroMoEConfigError(
-                f"[ep-size-divisibility] ep_size={layout.ep_size} does not divide num_experts={block.num_experts} in '{block.path}': "
-                f"each rank of an expert-parallel group must own the same number of experts. "
-                f"Valid ep_size values: {divisors(block.num_experts)}.")
+                say("ep-size-divisibility", "num-experts", ep_size=layout.ep_size, num_experts=block.num_experts,
+                    path=block.path, valid=divisors(block.num_experts)))
         if block.top_k is not None and block.top_k > block.num_experts:
             raise ZeroMoEConfigError(
-                f"[moe-top-k-range] top_k={block.top_k} exceeds num_experts={block.num_experts} in '{block.path}': a token "
-                f"cannot pick more experts than exist. Set top_k <= {block.num_experts}.")
+                say("moe-top-k-range", "above-num-experts", "top-k-at-most", top_k=block.top_k,
+                    num_experts=block.num_experts, path=block.path))
         if block.top_k is not None and block.top_k < 1:
-            raise ZeroMoEConfigError(f"[moe-top-k-range] top_k={block.top_k} in '{block.path}' must be at least 1.")
+            raise ZeroMoEConfigError(say("moe-top-k-range", "below-one", top_k=block.top_k, path=block.path))
 
 
 def _layout_warnings(layout: Layout, found: Discovery) -> list[str]:
     warnings = []
     if layout.ep_size > layout.devices_per_node:
         warnings.append(
-            f"[ep-size-crosses-nodes] ep_size={layout.ep_size} is larger than the {layout.devices_per_node} devices per node: "
-            "every MoE layer's all-to-all will cross the network. Keep ep_size <= devices per node "
-            "where the experts fit.")
+            say("ep-size-crosses-nodes", "crosses-nodes", "keep-within-node", ep_size=layout.ep_size,
+                devices_per_node=layout.devices_per_node))
     if found.blocks and layout.precision.startswith("16"):
         warnings.append(
-            f"[fp16-moe] precision={layout.precision!r} (fp16) with MoE: router softmax and the aux loss overflow "
-            "easily and the loss scaler skips steps. Use precision='bf16-mixed' or 'bf16-true' where the "
-            "hardware supports bf16.")
+            say("fp16-moe", "fp16-precision", "lightning-bf16-precision", precision=layout.precision))
     return warnings
 
 
@@ -130,15 +118,14 @@ def check_batch_arithmetic(config: Mapping[str, Any], world_size: int, accumulat
     accumulation = config.get("gradient_accumulation_steps", accumulate_grad_batches)
     if accumulation != accumulate_grad_batches:
         raise ZeroMoEConfigError(
-            f"[lightning-gradient-accumulation] gradient_accumulation_steps={accumulation} in your DeepSpeed config disagrees with "
-            f"Trainer(accumulate_grad_batches={accumulate_grad_batches}). Lightning drives accumulation: "
-            "remove the key from the config and set it on the Trainer.")
+            say("lightning-gradient-accumulation", "disagrees", "use-accumulate-grad-batches",
+                accumulation=accumulation, accumulate_grad_batches=accumulate_grad_batches,
+                value=accumulate_grad_batches))
     total, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
     if total is None or micro is None or "auto" in (total, micro):
         return
     expected = int(micro) * accumulation * world_size
     if int(total) != expected:
         raise ZeroMoEConfigError(
-            f"[batch-arithmetic] train_batch_size={total} but train_micro_batch_size_per_gpu x gradient accumulation x "
-            f"data-parallel ranks = {micro} x {accumulation} x {world_size} = {expected}. DeepSpeed refuses "
-            f"this. Set train_batch_size={expected}, or drop it and let DeepSpeed derive it.")
+            say("batch-arithmetic", "strategy-total", "set-derived-total", total=total, micro=micro,
+                accumulation=accumulation, world_size=world_size, expected=expected))

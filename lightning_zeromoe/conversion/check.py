@@ -44,6 +44,7 @@ from lightning_zeromoe.conversion.router_logits import (match_output_contract, r
                                              router_logit_recorders)
 from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe._private import torch as torch_private
+from lightning_zeromoe.knowledge import say
 
 ENTRY_ID = "moe-conversion-mismatch"
 __all__ = ["BlockCheck", "check_block", "check_conversion", "match_output_contract", "narrowed_config",
@@ -74,10 +75,8 @@ class BlockCheck:
         if self.report is not None:
             how = (f"; compared in {self.report.compute_dtype.replace('torch.', '')}, training mode, "
                    f"{self.report.tokens} tokens")
-        return (f"[{ENTRY_ID}] {self.path}: the expert-parallel conversion does not compute what the original "
-                f"block does ({self.detail}; tolerance {self.tolerance:g}{how}; AutoEP section: {mapping}). This block "
-                "trains under ZeRO-3 without expert parallelism instead. If the mapping is wrong, set it with "
-                "moe_pattern=MoEPattern(..., route_norm=..., score_func=...).")
+        return say(ENTRY_ID, "mismatch", "set-mapping", path=self.path, detail=self.detail, tolerance=self.tolerance,
+                   how=how, mapping=mapping)
 
 
 def tolerance_for(dtype: torch.dtype) -> float:

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_zeromoe.discovery.hf_semantics import Routing
 from lightning_zeromoe.discovery.structure import BlockLayout
+from lightning_zeromoe.knowledge import say
 
 #: Knowledge-base entry of the warning for MoE blocks of which none gets expert parallelism.
 NO_EP_ENTRY = "moe-no-expert-parallel"
@@ -157,10 +158,8 @@ class Discovery:
         leaf_note = (f"{len(leaves)} of them are registered as ZeRO-3 leaf modules (all of a block's experts are "
                      "gathered together, so ranks whose tokens pick different experts still issue the same "
                      "all-gathers)" if leaves else "none is registered as a ZeRO-3 leaf module (stage < 3)")
-        return (f"[{NO_EP_ENTRY}] ep_size={ep_size}, but none of the {len(self.fallback)} MoE block(s) found "
-                f"(source: {self.source}) can be converted to expert parallelism; they train under ZeRO without "
-                f"it, and {leaf_note}. The results are those of the original blocks; each expert's weights are "
-                f"gathered like any other layer's. Why each block stays as it is:\n{lines}")
+        return say(NO_EP_ENTRY, "no-block-converts", ep_size=ep_size, count=len(self.fallback), source=self.source,
+                   leaf_note=leaf_note, reasons=lines)
 
     def without(self, failed: dict[str, str]) -> "Discovery":
         """A copy with the ``failed`` blocks (path -> reason) moved to the fallback, pattern narrowed."""

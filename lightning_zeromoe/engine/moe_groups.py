@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lightning_zeromoe._private import torch as torch_private
+from lightning_zeromoe.knowledge import say
 
 #: Per-param-group lists torch's LR schedulers keep (torch 2.13 ``optim/lr_scheduler.py``).
 SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "_initial_lrs")
@@ -60,9 +61,7 @@ class MoEOptimizerSplit:
 
         groups = [dict(g, params=list(g["params"])) for g in model_parameters]
         if any(state for state in self.optimizer.state.values()):
-            raise RuntimeError("[moe-param-groups] the optimizer from configure_optimizers already holds state; "
-                               "ZeRO-1/2 with MoE must rebuild its param groups, which would discard it. Return a "
-                               "fresh optimizer and restore state through the checkpoint instead.")
+            raise RuntimeError(say("moe-param-groups", "optimizer-has-state", "fresh-optimizer"))
         origin_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         split = split_params_into_different_moe_groups_for_optimizer([dict(g) for g in groups])
         installed, origins = [], []
@@ -72,8 +71,7 @@ class MoEOptimizerSplit:
             origins.append(origin_of[id(group["params"][0])])
             installed.append(group)
         if not any(is_moe_param(p) for g in installed for p in g["params"]):
-            raise RuntimeError("[moe-param-groups] none of the optimizer's parameters is an expert parameter after "
-                               "deepspeed.initialize: were the experts left out of configure_optimizers?")
+            raise RuntimeError(say("moe-param-groups", "no-expert-parameter", "include-experts"))
         self.optimizer.state.clear()
         self.optimizer.param_groups = installed
         self.origins = origins

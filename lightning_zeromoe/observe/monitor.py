@@ -21,11 +21,11 @@ token, ``(max_share - k/E) / (1 - k/E)``. For top-1 routing over many experts th
 busiest expert's share, i.e. the seeds' "one expert takes more than 50% of the tokens".
 
 Remedies. An alarm names the remedies that apply to *this* model by their knowledge-base fix ids
-(entry ``router-collapse``, ``troubleshooter/knowledge/entries/router-collapse.toml``) followed by
+(entry ``router-collapse``, ``lightning_zeromoe/knowledge/entries/router-collapse.toml``) followed by
 the knowledge base's own text: ``add-aux-loss``, ``bias-balancing`` (only when the model routes
 with a choice-only bias and no :class:`~lightning_zeromoe.balance.balancer.ExpertBiasBalancer` runs
 already), ``router-z-loss``, ``larger-batch``, ``bf16-and-warmup``, ``check-router-init``. The
-advice itself lives only in the knowledge base.
+advice itself, and every message the monitor warns with, lives only in the knowledge base.
 
 The load picture. With ``heatmap=True`` each window's per-layer x per-expert load is also drawn
 as a heatmap and logged as an image (:mod:`lightning_zeromoe.observe.load_heatmap`: TensorBoard, loggers
@@ -44,6 +44,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_zeromoe import knowledge
 from lightning_zeromoe.observe.telemetry import expert_counters, global_counts
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,11 @@ def applicable_remedies(trainer: L.Trainer, pl_module: L.LightningModule) -> tup
 
 def remedies_text(fix_ids: tuple[str, ...], skipped: dict[str, str]) -> str:
     """``Remedies for this model (knowledge base entry router-collapse): [add-aux-loss] <its text> ...``."""
-    from troubleshooter import knowledge
-
-    entry = knowledge.get(ENTRY)
-    cited = " ".join(f"[{f}] {entry.get_fix(f).render()}" for f in fix_ids)
-    text = f"Remedies for this model (knowledge base entry {ENTRY}, by fix id): {cited}"
+    cited = " ".join(f"[{f}] {knowledge.fix(ENTRY, f).render()}" for f in REMEDIES if f in fix_ids)
+    text = knowledge.message(ENTRY, "remedies").render(entry=ENTRY, cited=cited)
     if skipped:
-        text += " Not applicable: " + "; ".join(f"[{f}] {why}" for f, why in skipped.items()) + "."
+        text += " " + knowledge.message(ENTRY, "not-applicable").render(
+            skipped="; ".join(f"[{f}] {why}" for f, why in skipped.items()))
     return text
 
 
@@ -192,8 +191,7 @@ class ExpertUtilizationMonitor(L.Callback):
         self.remedies, self._skipped = applicable_remedies(trainer, pl_module)
         counters = expert_counters(pl_module)
         if not counters:
-            self._warn_once("<model>", "none", "ExpertUtilizationMonitor found no MoE layer with a "
-                            "'tokens_per_expert' counter; it will log nothing.", trainer)
+            self._warn_once("<model>", "none", knowledge.message(ENTRY, "no-counter").render(), trainer)
         for counter in counters.values():
             counter.zero_()
         start = trainer.global_step
@@ -252,9 +250,8 @@ class ExpertUtilizationMonitor(L.Callback):
                             f"{base}/cv": s.cv, f"{base}/entropy": s.entropy, f"{base}/dead": float(len(s.dead))})
             self._check(trainer, step, s, top_k)
         if self.aux_loss_key and self.aux_loss_key not in self._losses and stats:
-            self._warn_once("<model>", "no-aux", f"No '{self.aux_loss_key}' metric is logged: without a "
-                            "load-balancing loss, routers collapse. Log your aux loss and pass its name as "
-                            "aux_loss_key (or aux_loss_key=None to silence this).", trainer)
+            self._warn_once("<model>", "no-aux", knowledge.compose(ENTRY, "no-aux-loss", "log-aux-loss-key",
+                                                                  key=self.aux_loss_key), trainer)
         for key, name in ((self.aux_loss_key, "aux_loss"), (self.task_loss_key, "task_loss")):
             total, n = self._losses.pop(key, (0.0, 0)) if key else (0.0, 0)
             if n:
@@ -304,23 +301,21 @@ class ExpertUtilizationMonitor(L.Callback):
         self._streak[s.layer] = self._streak.get(s.layer, 0) + 1 if collapsed else 0
         if self._streak[s.layer] >= self.patience:
             busiest = max(range(len(s.shares)), key=lambda e: s.shares[e])
-            self._alarm(trainer, step, s.layer, "collapse",
-                         f"Router collapse in {s.layer} at step {step}: expert {busiest} received "
-                         f"{s.shares[busiest]:.0%} of the layer's tokens (uniform top-{top_k} routing over "
-                         f"{len(s.shares)} experts gives {top_k / len(s.shares):.0%}; collapse score "
-                         f"{s.collapse_score:.2f} > {self.collapse_share}) for {self._streak[s.layer]} "
-                         f"windows of {self.every_n_steps} steps. Shares: "
-                         + ", ".join(f"{x:.2f}" for x in s.shares) + ". " + remedies_text(self.remedies, self._skipped))
+            found = knowledge.message(ENTRY, "collapse").render(
+                layer=s.layer, step=step, busiest=busiest, share=s.shares[busiest], top_k=top_k,
+                num_experts=len(s.shares), uniform=top_k / len(s.shares), score=s.collapse_score,
+                threshold=self.collapse_share, windows=self._streak[s.layer], every=self.every_n_steps,
+                shares=", ".join(f"{x:.2f}" for x in s.shares))
+            self._alarm(trainer, step, s.layer, "collapse", found + " " + remedies_text(self.remedies, self._skipped))
         alive = self._last_alive.setdefault(s.layer, [self._last_step] * len(s.counts))
         for e, count in enumerate(s.counts):
             if count > 0:
                 alive[e] = step
         dead_for = [e for e in range(len(alive)) if step - alive[e] >= self.dead_steps]
         if dead_for:
-            self._alarm(trainer, step, s.layer, "dead",
-                        f"Dead expert(s) {dead_for} in {s.layer}: no token for {self.dead_steps}+ steps "
-                        f"(step {step}); if routing is otherwise balanced, the model may have more experts than "
-                        "the data needs. " + remedies_text(self.remedies, self._skipped))
+            found = knowledge.message(ENTRY, "dead").render(dead=dead_for, layer=s.layer, dead_steps=self.dead_steps,
+                                                            step=step)
+            self._alarm(trainer, step, s.layer, "dead", found + " " + remedies_text(self.remedies, self._skipped))
 
     def _alarm(self, trainer: L.Trainer, step: int, layer: str, kind: str, message: str) -> None:
         if (layer, kind) in self._warned:

@@ -1,78 +1,43 @@
-"""The knowledge base: one TOML file per known problem, loaded and validated once.
+"""The knowledge base, as the troubleshooter sees it: ``lightning_zeromoe.knowledge`` plus ``match``.
 
-Why data and not code: ``explain``, ``lint``, ``doctor`` and the Jupyter extension all cite the
-same entries, and a fact (a message wording, a fix step) is corrected in one file. Entries live in
-``troubleshooter/knowledge/entries/<id>.toml`` and are parsed with the standard library's
-``tomllib``, so loading the knowledge base imports nothing heavy.
-
-Entry schema (every key is required unless marked optional)::
-
-    id = "native-moe-zero3"           # equals the file stem; lower-case words joined by "-"
-    title = "One line that names the problem"
-    family = "native-moe-zero3"       # one of FAMILIES below
-    severity = "error"                # error | warning | info
-    checked_against = "deepspeed 0.19.8 (engine.py read)"   # what was verified, and how
-    symptoms = ["what the user sees", ...]                 # at least one
-    patterns = ['regex', ...]         # Python regexes, matched case-insensitively and
-                                      # (besides, every entry matches "[<its id>] ", the prefix of
-                                      # the project's own error messages)
-                                      # multi-line over log text; may be empty for entries that
-                                      # only lint or doctor cite. Named groups become details.
-                                      # A pattern that uses \Z ("the log ends here") is tried
-                                      # on the last TAIL_CHARS characters only.
-    contextual = ['regex', ...]       # optional: patterns that count only when one of `context`
-    context = ['regex', ...]          # matches within context_chars characters of the hit (a
-    context_chars = 50000             # message ambiguous alone, next to what makes it this
-                                      # problem); context_chars is optional (default 50000).
-    cause = '''why it happens'''
-    patch = '''{"json": "merge patch"}'''   # optional: a DeepSpeed config patch or a code diff
-    patch_kind = "json"               # json | diff; required when patch is present
-    sources = ["file::function (version)", "https://..."]  # at least one
-
-    [[fixes]]                         # at the end of the file, one table per fix, ordered:
-    id = "lower-micro-batch"          # do the first one first. ``id``: a stable slug, unique in
-    text = "Lower ... to {micro}."    # the entry; code cites fixes by id, never by position.
-                                      # ``text`` may hold {placeholders} the caller fills in.
-    skip_when = 'regex'               # optional: explain leaves the fix out when the log matches
-    skip_why = "what it cannot do"    # (required with skip_when) and says this instead.
-
-    [[messages]]                      # optional, after the fixes: what a tool reports when it
-    id = "mismatch"                   # finds this problem (lint, doctor), as a template filled
-    text = "{tbs} != {micro} * ..."   # with what was found: cite with knowledge.message(entry, id).
-
-Citation API (the only way code outside this package may hold advice): ``fix(entry_id, fix_id)``
-and ``message(entry_id, message_id)`` return a :class:`Fix` / :class:`Message` whose ``render(**values)``
-fills the placeholders; both know their ``entry``. ``tests/test_knowledge_citations.py`` finds
-every such call statically and fails on an unknown entry or id, and on advice prose outside
-this package.
-
-``load_entries()`` raises :class:`KnowledgeError` naming the file and the field for any
-violation, so a broken entry fails the test suite instead of a user's session.
+The entries (``lightning_zeromoe/knowledge/entries/<id>.toml``), their model, the loader and the
+citation API live in :mod:`lightning_zeromoe.knowledge`, so that the training library renders its
+own errors from them without importing the troubleshooter; see that module for the entry schema.
+This package re-exports that API under the names every ``from troubleshooter import knowledge``
+caller uses, and adds :func:`match` (log text -> entries, :mod:`troubleshooter.knowledge.matching`).
+Importing it loads no torch, DeepSpeed or Lightning.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
-import re
-import string
-import tomllib
-
-try:  # the regex parser; used only to find each pattern's required literal text
-    from re import _parser as _sre_parse  # Python >= 3.11
-    from re._constants import LITERAL as _LITERAL
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_parse as _sre_parse  # type: ignore[no-redef]
-    from sre_constants import LITERAL as _LITERAL  # type: ignore[no-redef]
-from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
-
+from lightning_zeromoe.knowledge import (
+    CONTEXT_CHARS,
+    ENTRIES_DIR,
+    FAMILIES,
+    PATCH_KINDS,
+    SEVERITIES,
+    Entry,
+    Fix,
+    KnowledgeError,
+    Message,
+    anchor_of,
+    compose,
+    entry_of,
+    fix,
+    get,
+    load_entries,
+    load_entry,
+    message,
+    prefixed,
+    say,
+)
 from troubleshooter.knowledge.matching import SNIPPET_CHARS, TAIL_CHARS, Match, match_entries
 
 __all__ = [
     "CONTEXT_CHARS",
+    "ENTRIES_DIR",
     "FAMILIES",
+    "PATCH_KINDS",
     "SEVERITIES",
     "SNIPPET_CHARS",
     "TAIL_CHARS",
@@ -81,303 +46,18 @@ __all__ = [
     "KnowledgeError",
     "Match",
     "Message",
+    "anchor_of",
+    "compose",
+    "entry_of",
     "fix",
     "get",
     "load_entries",
+    "load_entry",
     "match",
     "message",
+    "prefixed",
+    "say",
 ]
-
-ENTRIES_DIR = Path(__file__).with_name("entries")
-
-FAMILIES = frozenset({
-    "oom", "router-collapse", "timeout", "install", "native-moe-zero3", "zero3-pitfalls", "autoep",
-    "config", "host", "export",
-})
-SEVERITIES = ("error", "warning", "info")
-PATCH_KINDS = frozenset({"json", "diff"})
-_REGEX_FLAGS = re.IGNORECASE | re.MULTILINE
-_ID_RE = re.compile(r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$")
-_STR_FIELDS = ("id", "title", "family", "severity", "checked_against", "cause")
-_LIST_FIELDS = ("symptoms", "patterns", "sources")
-_OPTIONAL = ("patch", "patch_kind", "contextual", "context", "context_chars")
-#: How near a context pattern must match to a contextual pattern's hit, unless the entry says.
-CONTEXT_CHARS = 50_000
-_FIX_KEYS = frozenset({"id", "text", "skip_when", "skip_why"})
-
-
-class KnowledgeError(ValueError):
-    """An entry file breaks the schema; the message names the file and the field."""
-
-
-@dataclass(frozen=True)
-class Fix:
-    """One fix step of an entry, cited by ``(entry id, fix id)``."""
-
-    id: str
-    text: str
-    entry: str = ""  # the id of the entry it belongs to
-    #: A regex: explain leaves this fix out when the log matches it, and says ``skip_why``.
-    skip_when: str = ""
-    skip_why: str = ""
-
-    def render(self, **values: object) -> str:
-        """The text with its ``{placeholders}`` filled in; a missing value raises KeyError."""
-        return self.text.format(**values) if values else self.text
-
-    def placeholders(self) -> frozenset[str]:
-        """The names of the ``{placeholders}`` in the text."""
-        return frozenset(name.split(".")[0].split("[")[0]
-                         for _lit, name, _spec, _conv in string.Formatter().parse(self.text) if name)
-
-
-@dataclass(frozen=True)
-class Message(Fix):
-    """A finding's message template of an entry, cited by ``(entry id, message id)``."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One known problem. Immutable: entries are shared by every caller through the cache."""
-
-    id: str
-    title: str
-    family: str
-    severity: str
-    checked_against: str
-    symptoms: tuple[str, ...]
-    patterns: tuple[str, ...]
-    cause: str
-    fixes: tuple[Fix, ...]
-    sources: tuple[str, ...]
-    messages: tuple[Message, ...] = ()
-    patch: str | None = None
-    patch_kind: str | None = None
-    compiled: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
-    #: Per compiled pattern, a lower-case literal every match must contain ("" when none): a
-    #: substring test on the lowered text skips the regex for most patterns on most logs.
-    anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
-    contextual: tuple[str, ...] = ()
-    context: tuple[str, ...] = ()
-    context_chars: int = CONTEXT_CHARS
-    compiled_contextual: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
-    contextual_anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
-    compiled_context: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
-    context_anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
-
-    @property
-    def fix(self) -> tuple[str, ...]:
-        """The fix texts, in order (placeholders unfilled)."""
-        return tuple(f.text for f in self.fixes)
-
-    def get_fix(self, fix_id: str) -> Fix:
-        """The fix with this id; a KeyError naming the entry's fix ids when there is none."""
-        for f in self.fixes:
-            if f.id == fix_id:
-                return f
-        raise KeyError(f"entry {self.id!r} has no fix {fix_id!r}; its fixes: {', '.join(f.id for f in self.fixes)}")
-
-    def get_message(self, message_id: str) -> Message:
-        """The message template with this id; a KeyError naming the entry's message ids."""
-        for m in self.messages:
-            if m.id == message_id:
-                return m
-        raise KeyError(f"entry {self.id!r} has no message {message_id!r}; its messages: "
-                       f"{', '.join(m.id for m in self.messages) or '(none)'}")
-
-    def patch_json(self) -> dict | None:
-        """The patch parsed as a JSON object, when it is a JSON patch."""
-        if self.patch is None or self.patch_kind != "json":
-            return None
-        return json.loads(self.patch)
-
-
-def _fail(path: Path, key: str, problem: str) -> KnowledgeError:
-    return KnowledgeError(f"{path.name}: field '{key}': {problem}")
-
-
-def _check_strings(path: Path, data: dict) -> None:
-    for key in _STR_FIELDS:
-        value = data.get(key)
-        if not isinstance(value, str) or not value.strip():
-            raise _fail(path, key, "missing or not a non-empty string")
-    for key in _LIST_FIELDS:
-        value = data.get(key)
-        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-            raise _fail(path, key, "missing or not a list of non-empty strings")
-        if key != "patterns" and not value:
-            raise _fail(path, key, "must have at least one item")
-
-
-def _check_values(path: Path, data: dict) -> None:
-    unknown = set(data) - set(_STR_FIELDS) - set(_LIST_FIELDS) - set(_OPTIONAL) - {"fixes", "messages"}
-    if unknown:
-        raise _fail(path, sorted(unknown)[0], "unknown field")
-    if data["id"] != path.stem or not _ID_RE.match(data["id"]):
-        raise _fail(path, "id", f"must equal the file stem {path.stem!r} (lower-case, '-' separated)")
-    if data["family"] not in FAMILIES:
-        raise _fail(path, "family", f"{data['family']!r} is not one of {sorted(FAMILIES)}")
-    if data["severity"] not in SEVERITIES:
-        raise _fail(path, "severity", f"{data['severity']!r} is not one of {list(SEVERITIES)}")
-
-
-def _parse_templates(path: Path, data: dict, key: str, cls: type[Fix]) -> tuple:
-    """The ``[[fixes]]`` (required) or ``[[messages]]`` (optional) tables of an entry."""
-    raw = data.get(key)
-    if raw is None and key == "messages":
-        return ()
-    if not isinstance(raw, list) or not raw:
-        raise _fail(path, key, f"missing: add at least one [[{key}]] table with 'id' and 'text'")
-    items: list[Fix] = []
-    for i, item in enumerate(raw):
-        allowed = _FIX_KEYS if cls is Fix else {"id", "text"}
-        if not isinstance(item, dict) or not {"id", "text"} <= set(item) <= allowed:
-            raise _fail(path, key, f"table {i + 1} must have the keys 'id' and 'text'"
-                        + (" (and optionally 'skip_when' with 'skip_why')" if cls is Fix else " only"))
-        item_id, text = item["id"], item["text"]
-        if not isinstance(item_id, str) or not _ID_RE.match(item_id):
-            raise _fail(path, key, f"table {i + 1}: id {item_id!r} must be a lower-case slug ('-' separated)")
-        if not isinstance(text, str) or not text.strip():
-            raise _fail(path, key, f"table {i + 1} ({item_id}): text missing or empty")
-        if any(f.id == item_id for f in items):
-            raise _fail(path, key, f"id {item_id!r} is used twice")
-        template = cls(item_id, text.strip(), data["id"], *_skip(path, key, i, item))
-        try:
-            template.placeholders()
-        except ValueError as err:
-            raise _fail(path, key, f"table {i + 1} ({item_id}): bad placeholder: {err}") from None
-        items.append(template)
-    return tuple(items)
-
-
-def _skip(path: Path, key: str, i: int, item: dict) -> tuple[str, ...]:
-    """A fix's optional (skip_when, skip_why): both or neither; skip_when must compile."""
-    if "skip_when" not in item and "skip_why" not in item:
-        return ()
-    when, why = item.get("skip_when"), item.get("skip_why")
-    if not all(isinstance(v, str) and v.strip() for v in (when, why)):
-        raise _fail(path, key, f"table {i + 1}: skip_when and skip_why go together, as non-empty strings")
-    try:
-        re.compile(when, _REGEX_FLAGS)
-    except re.error as err:
-        raise _fail(path, key, f"table {i + 1}: skip_when does not compile: {err}") from None
-    return when, " ".join(why.split())
-
-
-def _check_context(path: Path, data: dict) -> None:
-    """contextual and context go together; context_chars is a positive integer."""
-    for key in ("contextual", "context"):
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-            raise _fail(path, key, "not a list of non-empty strings")
-    if bool(data.get("contextual")) != bool(data.get("context")):
-        raise _fail(path, "context", "contextual patterns need context patterns, and the reverse")
-    chars = data.get("context_chars", CONTEXT_CHARS)
-    if isinstance(chars, bool) or not isinstance(chars, int) or chars < 1:
-        raise _fail(path, "context_chars", "must be a positive integer")
-
-
-def _check_patch(path: Path, data: dict) -> None:
-    patch, kind = data.get("patch"), data.get("patch_kind")
-    if patch is None and kind is None:
-        return
-    if not isinstance(patch, str) or not patch.strip():
-        raise _fail(path, "patch", "patch_kind is set but patch is missing or empty")
-    if kind not in PATCH_KINDS:
-        raise _fail(path, "patch_kind", f"must be one of {sorted(PATCH_KINDS)} when patch is present")
-    if kind == "json":
-        try:
-            parsed = json.loads(patch)
-        except json.JSONDecodeError as err:
-            raise _fail(path, "patch", f"not valid JSON ({err.msg} at {err.lineno}:{err.colno})")
-        if not isinstance(parsed, dict):
-            raise _fail(path, "patch", "a JSON patch must be an object")
-
-
-def _compile(path: Path, patterns: list[str], key: str = "patterns") -> tuple[re.Pattern[str], ...]:
-    compiled = []
-    for pattern in patterns:
-        try:
-            compiled.append(re.compile(pattern, _REGEX_FLAGS))
-        except re.error as err:
-            raise _fail(path, key, f"{pattern!r} does not compile: {err}")
-    return tuple(compiled)
-
-
-def anchor_of(pattern: str) -> str:
-    """The longest run of plain characters at the top level of ``pattern``, lower-cased.
-
-    Every match of the pattern contains it, so when the lowered text does not, the (slower,
-    case-insensitive) regex need not run. Returns "" when the pattern has no such run.
-    """
-    best = run = ""
-    for op, arg in _sre_parse.parse(pattern):
-        if op == _LITERAL:
-            run += chr(arg)
-            best = max(best, run, key=len)
-        else:
-            run = ""
-    return best.lower()
-
-
-def load_entry(path: Path) -> Entry:
-    """Parse and validate one entry file."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise KnowledgeError(f"{path.name}: not valid TOML: {err}") from None
-    _check_strings(path, data)
-    _check_values(path, data)
-    _check_patch(path, data)
-    _check_context(path, data)
-    fixes = _parse_templates(path, data, "fixes", Fix)
-    messages = _parse_templates(path, data, "messages", Message)
-    return Entry(
-        id=data["id"], title=data["title"], family=data["family"], severity=data["severity"],
-        checked_against=data["checked_against"], symptoms=tuple(data["symptoms"]),
-        patterns=tuple(data["patterns"]), cause=data["cause"].strip(), fixes=fixes,
-        sources=tuple(data["sources"]), messages=messages, patch=data.get("patch"), patch_kind=data.get("patch_kind"),
-        compiled=_compile(path, data["patterns"]),
-        anchors=tuple(anchor_of(p) for p in data["patterns"]),
-        contextual=tuple(data.get("contextual", ())), context=tuple(data.get("context", ())),
-        context_chars=data.get("context_chars", CONTEXT_CHARS),
-        compiled_contextual=_compile(path, data.get("contextual", []), "contextual"),
-        contextual_anchors=tuple(anchor_of(p) for p in data.get("contextual", ())),
-        compiled_context=_compile(path, data.get("context", []), "context"),
-        context_anchors=tuple(anchor_of(p) for p in data.get("context", ())),
-    )
-
-
-@lru_cache(maxsize=1)
-def load_entries() -> tuple[Entry, ...]:
-    """Every entry, sorted by id. Cached: the files are read once per process."""
-    return tuple(load_entry(p) for p in sorted(ENTRIES_DIR.glob("*.toml")))
-
-
-@lru_cache(maxsize=1)
-def _by_id() -> dict[str, Entry]:
-    return {entry.id: entry for entry in load_entries()}
-
-
-def get(entry_id: str) -> Entry:
-    """The entry with this id; a KeyError that lists the closest ids when there is none."""
-    entries = _by_id()
-    try:
-        return entries[entry_id]
-    except KeyError:
-        close = difflib.get_close_matches(entry_id, list(entries), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"no knowledge-base entry {entry_id!r}{hint}") from None
-
-
-def fix(entry_id: str, fix_id: str) -> Fix:
-    """The fix ``fix_id`` of entry ``entry_id``: how code cites advice (never by list position)."""
-    return get(entry_id).get_fix(fix_id)
-
-
-def message(entry_id: str, message_id: str) -> Message:
-    """The message template ``message_id`` of entry ``entry_id`` (what a tool reports)."""
-    return get(entry_id).get_message(message_id)
 
 
 def match(text: str) -> list[Match]:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from troubleshooter.knowledge import Entry
+    from lightning_zeromoe.knowledge import Entry
 
 __all__ = ["SNIPPET_CHARS", "TAIL_CHARS", "Match", "is_own", "line_at", "match_entries"]
 

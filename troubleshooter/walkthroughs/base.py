@@ -3,7 +3,7 @@
 A walkthrough is a list of :class:`Step`. Each step
 
 * shows the knowledge base's own fix texts, cited by ``(entry id, fix id)``: advice is written
-  once, in ``troubleshooter/knowledge/entries``, and every face of the troubleshooter shows it;
+  once, in ``lightning_zeromoe/knowledge/entries``, and every face of the troubleshooter shows it;
 * runs a check for the user: a real call (doctor checks, lint, the memory planner, the numbers
   of the user's own error), never canned text;
 * proposes the fix as a unified diff of the user's config when the notebook holds one (see

@@ -46,6 +46,8 @@ from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe.checkpoint.autoep_names import ENTRY_ID, ResumeShapeError, autoep_layers
 from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, Shape, read_saved
 from lightning_zeromoe.checkpoint.resume.universal_names import add_target_names, saved_shapes
+from lightning_zeromoe import knowledge
+from lightning_zeromoe.knowledge import say
 
 try:  # POSIX only; elsewhere two jobs converting the same checkpoint at once are not kept apart
     import fcntl
@@ -64,7 +66,7 @@ def engine_ep_size(module: torch.nn.Module) -> int:
     whatever ``ZeroMoEStrategy(ep_size=...)`` asked for; a config's ``autoep_size`` shows here too)."""
     sizes = {int(getattr(layer, "ep_size", 1)) for layer in autoep_layers(module).values()}
     if len(sizes) > 1:
-        raise ResumeShapeError(f"the model's AutoEP layers have different ep_size {sorted(sizes)}.")
+        raise ResumeShapeError(say(ENTRY_ID, "mixed-ep-size", sizes=sorted(sizes)))
     return sizes.pop() if sizes else 1
 
 
@@ -80,8 +82,7 @@ def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[st
     """
     problems = []
     if saved.shape.stage != target.stage:
-        problems.append(f"it was written under ZeRO stage {saved.shape.stage} and this run uses stage {target.stage}; "
-                        f"resume with stage={saved.shape.stage} (changing the stage on resume is not supported)")
+        problems.append(knowledge.message(ENTRY_ID, "stage-differs").render(saved=saved.shape.stage, target=target.stage))
     if saved.shape.stage not in (1, 2, 3) and saved.shape != target:
         problems.append("it holds no ZeRO partitions (stage 0), so DeepSpeed has no universal conversion for it")
     if saved.experts:
@@ -89,16 +90,15 @@ def plan_resume(saved: SavedCheckpoint, target: Shape, model_experts: Mapping[st
         if differ:
             shown = ", ".join(f"{p}: {n} saved, {m if m is not None else 'no MoE block'} now" for p, (n, m)
                               in list(differ.items())[:4])
-            problems.append(f"its MoE layers differ from the model's ({shown}); resume with the model that was "
-                            "trained")
+            problems.append(knowledge.message(ENTRY_ID, "experts-differ").render(shown=shown))
         bad = sorted({n for n in saved.experts.values() if n % target.ep_size})
         if bad:
             problems.append(f"ep_size={target.ep_size} does not divide the saved expert count(s) {bad}")
     if target.world_size % target.ep_size:
         problems.append(f"ep_size={target.ep_size} does not divide the world size {target.world_size}")
     if problems:
-        raise ResumeShapeError(f"the checkpoint {saved.path} ({saved.shape}) cannot resume on {target}: "
-                               + "; ".join(problems) + ".")
+        raise ResumeShapeError(say(ENTRY_ID, "cannot-resume", path=saved.path, shape=saved.shape, target=target,
+                                   problems="; ".join(problems)))
     frozen_since = trainable is not None and bool(saved.trainable) and bool(set(saved.trainable) - set(trainable))
     return saved.shape != target or frozen_since
 
@@ -204,12 +204,11 @@ def ensure_universal(saved: SavedCheckpoint, target_params: Mapping[str, tuple[i
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     except PermissionError as err:
-        raise ResumeShapeError(f"cannot write the converted checkpoint next to {saved.path} ({err}). Copy the "
-                               "checkpoint directory somewhere writable and resume from the copy.") from err
+        raise ResumeShapeError(say(ENTRY_ID, "not-writable", "writable-copy", path=saved.path,
+                                   err=err)) from err
     except OSError as err:
-        raise ResumeShapeError(f"writing the converted checkpoint {out} failed ({type(err).__name__}: {err}); "
-                               f"{saved.path} itself is untouched. Free disk space next to it (the conversion needs "
-                               "about the size of the checkpoint) and resume again.") from err
+        raise ResumeShapeError(say(ENTRY_ID, "write-failed", "free-space-next-to-it", out=out,
+                                   error_type=type(err).__name__, err=err, path=saved.path)) from err
     return out, True
 
 
@@ -227,8 +226,8 @@ def _run_ds_to_universal(input_folder: Path, output_folder: Path) -> None:
             ds_to_universal.main(args)
     except Exception as err:
         tail = "\n".join(printed.getvalue().splitlines()[-10:])
-        raise ResumeShapeError(f"deepspeed's ds_to_universal could not convert {input_folder}: "
-                               f"{type(err).__name__}: {err}\n{tail}") from err
+        raise ResumeShapeError(say(ENTRY_ID, "ds-to-universal", input_folder=input_folder,
+                                   error_type=type(err).__name__, err=err, tail=tail)) from err
 
 
 
@@ -295,7 +294,8 @@ def load_on_new_shape(engine: Any, saved: SavedCheckpoint, target: Shape, *, ep_
             outcome[0], outcome[1] = ensure_universal(saved, trainable, ep_section, log=info, layouts=layouts,
                                                       optional_params=optional)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they wait at the broadcast
-            failure, outcome[2] = err, f"converting {saved.path} on rank 0 failed: {type(err).__name__}: {err}"
+            failure, outcome[2] = err, say(ENTRY_ID, "conversion-failed", path=saved.path,
+                                           error_type=type(err).__name__, err=err)
     outcome = broadcast(outcome)  # the other ranks wait here for the conversion
     if failure is not None:
         raise failure
@@ -305,10 +305,8 @@ def load_on_new_shape(engine: Any, saved: SavedCheckpoint, target: Shape, *, ep_
     problem = universal_problem(uc_dir, saved)
     if not agree(not problem):
         raise ResumeShapeError(
-            (f"{problem}. " if problem else "another rank cannot read a complete converted checkpoint (its error says "
-                                            "which and why). ")
-            + f"Every rank reads {uc_dir} itself: keep checkpoints on a filesystem all nodes share, or copy the "
-            "checkpoint and its .universal directory to every node (rsync -a keeps the times the check compares).")
+            say(ENTRY_ID, "universal-unreadable", "shared-filesystem", problem=problem, uc_dir=uc_dir) if problem
+            else say(ENTRY_ID, "universal-unreadable-elsewhere", "shared-filesystem", uc_dir=uc_dir))
     with universal_loading(engine):
         _, client_state = engine.load_checkpoint(str(uc_dir), load_optimizer_states=fitting,
                                                  load_lr_scheduler_states=False, load_module_strict=strict)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_zeromoe.checkpoint.autoep_names import ResumeShapeError
+from lightning_zeromoe.knowledge import say
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,11 @@ def read_saved(ckpt_dir: str | os.PathLike) -> SavedCheckpoint:
     path = Path(ckpt_dir)
     latest = path / "latest"
     if not latest.is_file():
-        raise ResumeShapeError(f"{path} has no 'latest' file, so it is not a complete DeepSpeed checkpoint written "
-                               "by trainer.save_checkpoint / ModelCheckpoint under ZeroMoEStrategy (a save that "
-                               "was interrupted leaves none). Resume from an earlier checkpoint.")
+        raise ResumeShapeError(say("resume-shape-unsupported", "no-latest", "earlier-checkpoint", path=path))
     tag = latest.read_text().strip()
     files = model_states_files(path / tag)
     if not files:
-        raise ResumeShapeError(f"{path / tag} holds no *_model_states.pt file: the checkpoint is incomplete.")
+        raise ResumeShapeError(say("resume-shape-unsupported", "no-model-states", tag_dir=path / tag))
     state = load_model_states(files[0])
     config = state.get("ds_config") or {}
     stage = int((config.get("zero_optimization") or {}).get("stage", 0))
@@ -89,8 +88,8 @@ def read_saved(ckpt_dir: str | os.PathLike) -> SavedCheckpoint:
     experts = {layer["module_path"]: int(layer["num_experts"]) for layer in layers}
     ep_sizes = {int(layer["ep_size"]) for layer in layers} or {1}
     if len(ep_sizes) > 1:
-        raise ResumeShapeError(f"{path}: AutoEP layers with different ep_size {sorted(ep_sizes)}; ZeroMoEStrategy "
-                               "writes one ep_size for all layers, so this checkpoint came from elsewhere.")
+        raise ResumeShapeError(say("resume-shape-unsupported", "mixed-ep-size-saved", path=path,
+                                   sizes=sorted(ep_sizes)))
     world = int(state.get("dp_world_size", len(files))) * int(state.get("mp_world_size", 1))
     trainable = tuple(name for group in state.get("param_shapes") or [] for name in group)
     return SavedCheckpoint(path=path, tag=tag, shape=Shape(world, ep_sizes.pop(), stage), experts=experts,

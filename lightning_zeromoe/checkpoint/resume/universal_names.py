@@ -21,6 +21,7 @@ from lightning_zeromoe.checkpoint.autoep_names import (EXPERT_WEIGHTS as _EXPERT
                                             block_names, fuse_experts, names_for, own_expert_names, own_name,
                                             split_experts)
 from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, load_model_states
+from lightning_zeromoe.knowledge import say
 
 
 
@@ -55,9 +56,8 @@ def add_target_names(uc_dir: Path, saved: SavedCheckpoint, target_params: Mappin
     missing = sorted(n for n in target_params if not (zero / n / "fp32.pt").is_file())
     if missing:
         shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
-        raise ResumeShapeError(f"the converted checkpoint {uc_dir} has no state for {len(missing)} parameter(s) of "
-                               f"the model now running: {shown}. The checkpoint was written by another model or "
-                               f"with other trainable parameters.")
+        raise ResumeShapeError(say("resume-shape-unsupported", "no-state", uc_dir=uc_dir, count=len(missing),
+                                   shown=shown))
     return written
 
 
@@ -89,8 +89,7 @@ def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: M
             continue
         own = own_name(local, names)
         if own is None:
-            raise ResumeShapeError(f"{entry.name}: an AutoEP parameter with no counterpart in the original block; "
-                                   "resume with expert parallelism (ep_size > 1).")
+            raise ResumeShapeError(say("resume-shape-unsupported", "no-counterpart", "resume-with-ep", name=entry.name))
         dest = zero / f"{block}.{own}"
         if not dest.exists():
             _copytree_atomic(entry, dest)
@@ -117,7 +116,7 @@ def _write_own_names(zero: Path, block: str, names: BlockNames, target_params: M
 def _load_state(path: Path) -> torch.Tensor:
     """One universal state file: DeepSpeed writes a bare tensor or ``{"param": tensor, ...}``."""
     if not path.is_file():
-        raise ResumeShapeError(f"{path} is missing from the converted checkpoint.")
+        raise ResumeShapeError(say("resume-shape-unsupported", "missing-file", path=path))
     state = torch.load(path, map_location="cpu", weights_only=True)
     return state["param"] if isinstance(state, dict) else state
 
@@ -156,8 +155,8 @@ def _write_autoep_names(zero: Path, block: str, names: BlockNames,
         full = {}
         for n in sources:
             if prefix + n not in shapes:
-                raise ResumeShapeError(f"{prefix + n}: the checkpoint has no such parameter, so its experts cannot "
-                                       "be split for expert parallelism; resume with the model that was trained.")
+                raise ResumeShapeError(say("resume-shape-unsupported", "no-such-parameter", "resume-same-model",
+                                           name=prefix + n))
             full[n] = _load_state(zero / (prefix + n) / f"{key}.pt").reshape(shapes[prefix + n])
         parts = split_experts(full, names)
         for w, tensor in parts.items():

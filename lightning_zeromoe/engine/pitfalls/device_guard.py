@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe._private import torch as torch_private
+from lightning_zeromoe.knowledge import say
 
 
 def move_buffers_to_device(root: nn.Module, device: torch.device | str) -> list[str]:
@@ -209,10 +210,9 @@ class DeviceMoveGuard:
         site = _call_site()
         if (path, call, site) not in self.warned:
             self.warned.add((path, call, site))
-            warnings.warn(f"[zero3-noop-move] ZeroMoEStrategy: {call} on module '{path}' ({type(module).__name__}) at {site} runs inside "
-                          f"forward, but the module is already on {self.device}"
-                          f"{' in ' + str(next(iter(floats))) if len(floats) == 1 else ''}: ignored (a no-op). "
-                          "Remove the call; it would otherwise walk every parameter each step.", stacklevel=3)
+            warnings.warn(say("zero3-noop-move", "in-forward", "remove-call", call=call, path=path,
+                              module_type=type(module).__name__, site=site, device=self.device,
+                              dtype=' in ' + str(next(iter(floats))) if len(floats) == 1 else ''), stacklevel=3)
         return module
 
     def _explain(self, path: str, module: nn.Module, call: str, device: torch.device | None,
@@ -220,10 +220,5 @@ class DeviceMoveGuard:
         want = " and ".join(x for x in (f"move it to {device}" if device else "",
                                        f"cast it to {dtype}" if dtype else "") if x) or "change its tensors"
         where = "during forward" if self.in_forward else "after the DeepSpeed engine was set up"
-        return (f"[zero3-module-move] {call} on module '{path}' ({type(module).__name__}) at {_call_site()} {where} would {want}. "
-                "ZeRO-3 cannot allow this: each parameter's storage is a partition of a flat buffer owned by the "
-                "DeepSpeed optimizer (param.ds_tensor); the tensor the module sees in forward is a temporary gathered "
-                "copy. Moving or casting the module rebinds param.data (or, between devices torch cannot swap in place, "
-                "replaces the Parameter object), detaching the module from its partition: the optimizer would keep "
-                "updating the partition while the module used a stale copy, or the next gather would fail. Cast activations instead (x.to(dtype)), choose the precision on the Trainer "
-                f"(precision='bf16-true'), and leave device placement to the strategy (parameters are on {self.device}).")
+        return say("zero3-module-move", "moved", "cast-activations", "trainer-precision", call=call, path=path,
+                   module_type=type(module).__name__, site=_call_site(), where=where, want=want, device=self.device)

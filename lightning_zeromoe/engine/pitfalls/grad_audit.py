@@ -14,6 +14,7 @@ from torch import nn
 from lightning_zeromoe.engine import collectives
 from lightning_zeromoe._private import torch as torch_private
 from lightning_zeromoe.engine.pitfalls.sharing import parameter_paths
+from lightning_zeromoe.knowledge import say
 
 @dataclass(frozen=True)
 class StaleParameter:
@@ -42,17 +43,11 @@ class AuditReport:
         for s in self.stale:
             ranks = "" if s.world_size == 1 else f" (on {s.world_size - s.ranks_with_grad} of {s.world_size} ranks)"
             out.append(
-                f"[zero3-no-gradient] parameter {s.name} requires grad but received no gradient in the first {self.steps} optimizer "
-                f"steps{ranks}, so it is not training. Likely causes: forward uses a cached `.data` or a detached "
-                "copy of it instead of the parameter (under ZeRO-3 such a copy also pins the full, unpartitioned "
-                "weight), or it sits in a branch that did not run (an unused head, an expert that got no tokens, "
-                "code under torch.no_grad()). Set requires_grad=False if it is meant to be frozen.")
+                say("zero3-no-gradient", "stale", "freeze-on-purpose", parameter=s.name, steps=self.steps, ranks=ranks))
         for a in self.aliases:
             out.append(
-                f"[zero3-aliased-weight] module attribute {a.attribute} holds a full-size tensor ({a.numel} elements) aliasing the gathered "
-                f"storage of ZeRO-3 parameter {a.parameter}. DeepSpeed frees the gathered copy after each use; this "
-                "reference keeps the whole unpartitioned weight alive, it never sees optimizer updates, and "
-                "gradients through it never reach the parameter. Use the parameter itself in forward.")
+                say("zero3-aliased-weight", "aliased", "use-the-parameter", attribute=a.attribute, numel=a.numel,
+                    parameter=a.parameter))
         return out
 
 
