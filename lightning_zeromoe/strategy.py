@@ -25,17 +25,13 @@ from typing_extensions import override
 
 from lightning_zeromoe._private import lightning as lightning_private
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
-from lightning_zeromoe.config.deepspeed import DEFAULT_BUCKET_SIZE
-from lightning_zeromoe.config.native_moe import native_ep, native_ep_sizes
-from lightning_zeromoe.config.options import strategy_settings
-from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
-                                              effective_stage, inference_config, resolve, user_section,
-                                              zero_init_config)
-from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
-from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover
-from lightning_zeromoe.engine.build import autoep_converted, initialize
-from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
-                                                use_deepspeed_cpu_accelerator)
+from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, ResolvedConfig, World, ZeroMoEConfigError,
+                                      check_ep_divides_world, check_offload_optimizer, effective_ep_size,
+                                      effective_stage, inference_config, native_ep, native_ep_sizes, resolve,
+                                      strategy_settings, user_section, zero_init_config)
+from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
+from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, group_timeout, initialize,
+                                      stop_launched_ranks, use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.knowledge import say
 
 if TYPE_CHECKING:

@@ -1,1 +1,11 @@
-"""Around the DeepSpeed engine: param groups, processes, collectives, ZeRO-3 pitfalls."""
+"""Around the DeepSpeed engine: its build, param groups, processes, collectives, ZeRO-3 pitfalls.
+
+What the strategy uses at import is exported here; each name lives in the module named for its concept.
+"""
+
+from lightning_zeromoe.engine.build import autoep_converted, initialize
+from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, group_timeout, stop_launched_ranks,
+                                                use_deepspeed_cpu_accelerator)
+
+__all__ = ["apply_timeout_to_all_groups", "autoep_converted", "group_timeout", "initialize", "stop_launched_ranks",
+           "use_deepspeed_cpu_accelerator"]
