@@ -33,6 +33,7 @@ EXPECTED = {
     "real_resume_shape_unsupported.txt": "resume-shape-unsupported",
     "real_save_after_evaluation.txt": "save-after-evaluation",
     "real_checkpoint_disk_full.txt": "checkpoint-disk-full",
+    "real_autoep_frozen_experts.txt": "autoep-frozen-experts",
     "real_strategy_refusals.txt": "offload-needs-ds-cpu-optimizer",
     "zeromoe_export_errors.txt": "export-untrusted-object",
     "real_native_moe_zero3.txt": "native-moe-zero3",

@@ -38,7 +38,6 @@ PENDING_LIBRARY: dict[str, str] = {
     "lightning_zeromoe/engine/collectives.py": "no default backend",
     "lightning_zeromoe/planner/plan.py": "the planner's recommendations",
     "lightning_zeromoe/planner/cli.py": "the planner CLI's refusals ([planner-hf-config], issue 18), written beside the move",
-    "lightning_zeromoe/config/native_moe.py": "[native-moe-ep-size] refusals (issue 19), written beside the move",
     "lightning_zeromoe/_private/deepspeed.py": "no load_universal_checkpoint in this deepspeed",
 }
 

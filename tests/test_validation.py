@@ -81,7 +81,8 @@ def test_native_moe_ep_size_left_unset_takes_the_modules_and_says_so():
 @pytest.mark.parametrize("module, kwargs, message", [
     (lambda: NativeMoEModule(ep_size=2), {"ep_size": 1},
      r"^\[native-moe-ep-size\] ZeroMoEStrategy\(ep_size=1\), but the model's 1 native deepspeed.moe.layer.MoE "
-     r"module\(s\) \('moe'\) were built with ep_size=2, .*Pass ZeroMoEStrategy\(ep_size=2\) or leave ep_size unset"),
+     r"module\(s\) \('moe'\) were built with ep_size=2, .*Pass the layers' own size, "
+     r"ZeroMoEStrategy\(ep_size=2\), or leave ep_size unset"),
     (lambda: NativeMoEModule(ep_size=1), {"ep_size": 2},
      r"^\[native-moe-ep-size\] ZeroMoEStrategy\(ep_size=2\), but .* built with ep_size=1"),
     (lambda: NativeMoEModule(ep_size=1, second_ep_size=2), {},

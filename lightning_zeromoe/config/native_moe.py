@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_zeromoe.discovery.find import native_moe_paths
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, divisors
+from lightning_zeromoe.knowledge import compose, say
 
 ENTRY = "native-moe-ep-size"
 
@@ -60,31 +61,19 @@ def native_ep(sizes: Mapping[str, int], *, asked: int | None, world_size: int,
     distinct = sorted(set(sizes.values()))
     if len(distinct) > 1:
         by_size = "; ".join(f"ep_size={s}: {_where({p: v for p, v in sizes.items() if v == s})}" for s in distinct)
-        raise ZeroMoEConfigError(
-            f"[{ENTRY}] the model's native deepspeed.moe.layer.MoE modules were built with different ep_size values "
-            f"({by_size}); ZeroMoEStrategy trains one expert-parallel size. Build every MoE layer with the same "
-            "MoE(..., ep_size=N).")
+        raise ZeroMoEConfigError(say(ENTRY, "mixed-sizes", "same-size-every-layer", by_size=by_size))
     built = distinct[0]
     section = user_expert_parallel or {}
     if section and section.get("enabled") is not False:
-        raise ZeroMoEConfigError(
-            f"[{ENTRY}] your DeepSpeed config has an expert_parallel (AutoEP) section, but the model's "
-            f"{len(sizes)} native deepspeed.moe.layer.MoE module(s) ({_where(sizes)}) were built with ep_size={built} "
-            "and set their expert parallelism themselves; AutoEP converts plain MoE blocks, not these. Remove "
-            f"expert_parallel from the config (and pass ZeroMoEStrategy(ep_size={built}) or leave ep_size unset).")
+        raise ZeroMoEConfigError(say(ENTRY, "autoep-section", "drop-expert-parallel-for-native", "match-layers-ep-size",
+                                     count=len(sizes), where=_where(sizes), built=built))
     if asked is not None and asked != built:
-        raise ZeroMoEConfigError(
-            f"[{ENTRY}] ZeroMoEStrategy(ep_size={asked}), but the model's {len(sizes)} native deepspeed.moe.layer.MoE "
-            f"module(s) ({_where(sizes)}) were built with ep_size={built}, which the strategy cannot change. Pass "
-            f"ZeroMoEStrategy(ep_size={built}) or leave ep_size unset, or build the layers with MoE(..., ep_size={asked}).")
+        raise ZeroMoEConfigError(say(ENTRY, "mismatch", "match-layers-ep-size", "rebuild-layers-ep-size", asked=asked,
+                                     count=len(sizes), where=_where(sizes), built=built))
     if world_size % built:
-        raise ZeroMoEConfigError(
-            f"[ep-size-divisibility] the model's native deepspeed.moe.layer.MoE module(s) ({_where(sizes)}) were built "
-            f"with ep_size={built}, which does not divide the world size {world_size} (devices x num_nodes): the "
-            f"expert groups of ep_size ranks must tile the world. Build them with MoE(..., ep_size=N) for N in "
-            f"{divisors(world_size)}, or change devices/num_nodes.")
+        raise ZeroMoEConfigError(say("ep-size-divisibility", "native-world-size", "rebuild-native-divisor",
+                                     where=_where(sizes), built=built, world_size=world_size, valid=divisors(world_size)))
     note = None
     if asked is None:
-        note = (f"ZeroMoEStrategy: ep_size={built}, from the model's {len(sizes)} native deepspeed.moe.layer.MoE "
-                f"module(s) ({_where(sizes)}); their expert groups come from the modules, no AutoEP section is written.")
+        note = compose(ENTRY, "taken-from-layers", built=built, count=len(sizes), where=_where(sizes))
     return NativeEP(built, note)
