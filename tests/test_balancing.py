@@ -66,21 +66,32 @@ def test_router_z_loss_by_hand():
 
 # ------------------------------------------------------------------------------- every HF family
 
-def _choices(sites, net, ids) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Counts per site (through the balancer's own hooks) and the logits of one forward."""
+def _choices(sites, net, ids, calls: list[int] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Counts per site (through the balancer's own hooks) and the logits of one forward; ``calls``, if
+    given, receives how often each site's module ran (a looped layer runs more than once)."""
     from lightning_zeromoe.balance.balancer import ExpertBiasBalancer
 
     balancer = ExpertBiasBalancer()
     balancer.sites = sites
     balancer._counts = [None] * len(sites)
+    ran = [0] * len(sites)
+
+    def count_call(i):
+        def hook(module, args, kwargs):
+            ran[i] += 1
+        return hook
+
     hooks = [s.counter.register_forward_pre_hook(balancer._experts_hook(i), with_kwargs=True)
              for i, s in enumerate(sites)]
+    hooks += [s.counter.register_forward_pre_hook(count_call(i), with_kwargs=True) for i, s in enumerate(sites)]
     try:
         with torch.no_grad():
             logits = net(input_ids=ids, use_cache=False).logits
     finally:
         for h in hooks:
             h.remove()
+    if calls is not None:
+        calls[:] = ran
     return [torch.zeros(s.num_experts, dtype=torch.long) if c is None else c for s, c in zip(sites, balancer._counts)], logits
 
 
@@ -104,15 +115,16 @@ def test_every_family_with_a_choice_only_bias_is_found_and_it_steers_only_the_ch
         with_bias.append(arch)
         config = tiny_config(arch)
         top_k = next(getattr(config, a) for a in ("num_experts_per_tok", "moe_k", "moe_topk") if hasattr(config, a))
-        counts, logits = _choices(sites, net, ids)
-        for site, c in zip(sites, counts):
-            assert int(c.sum()) == ids.numel() * top_k, (arch, site.name, c)
+        runs: list[int] = []
+        counts, logits = _choices(sites, net, ids, runs)
+        for site, c, n in zip(sites, counts, runs):  # n: 1, or more for a looped layer (inkling2_loop)
+            assert n >= 1 and int(c.sum()) == ids.numel() * top_k * n, (arch, site.name, c, n)
         saved = [s.tensor.detach().clone() for s in sites]
         with torch.no_grad():
             for s in sites:
                 s.tensor.view(-1)[1] += 100.0
         steered, _ = _choices(sites, net, ids)
-        assert all(int(c[1]) == ids.numel() for c in steered), (arch, steered)  # every token picks expert 1
+        assert all(int(c[1]) == ids.numel() * n for c, n in zip(steered, runs)), (arch, steered)  # all pick expert 1
         with torch.no_grad():
             for s, v in zip(sites, saved):
                 s.tensor.copy_(v)

@@ -39,7 +39,8 @@ def test_per_expert_rows_equal_the_whole_conversion(tmp_path, model_type, world)
     the experts overlapping it are converted (with 3 ranks a partition ends inside an expert's row)."""
     from safetensors.torch import load_file
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
+
+    from lightning_zeromoe._private.transformers import apply_weight_conversions
 
     model = hf_zoo.build(model_type)
     model.save_pretrained(tmp_path)
@@ -47,7 +48,7 @@ def test_per_expert_rows_equal_the_whole_conversion(tmp_path, model_type, world)
     for file in sorted(tmp_path.glob("*.safetensors")):
         saved.update(load_file(file))
     mapping = get_model_conversion_mapping(model)
-    whole = _apply_weight_conversions_to_state_dict(model, dict(saved), mapping)
+    whole = apply_weight_conversions(model, dict(saved), mapping)  # transformers' own, as one dict
     params = {name: _fake_partition(p, world) for name, p in model.named_parameters(remove_duplicate=False)}
 
     fused = 0

@@ -1,11 +1,14 @@
-"""The only place that touches transformers' private names (transformers 5.22 is what they were read from).
+"""The only place that touches transformers' private names (read from 5.22 to 5.24).
 
 * ``modeling_utils._load_state_dict_into_zero3_model``: the ZeRO-3 loader ``from_pretrained`` calls;
   replaced for the duration of ``configure_model`` by the partition-aware one.
 * ``integrations.deepspeed._hf_deepspeed_config_weak_ref``: what ``is_deepspeed_zero3_enabled()``
   reads; saved and put back around that.
 * ``integrations.deepspeed._apply_weight_conversions_to_state_dict``: transformers' own checkpoint
-  conversions (fusing per-expert tensors), run one layer at a time.
+  conversions (fusing per-expert tensors), run one layer at a time. A dict up to 5.22, a generator
+  of dicts from 5.23: :func:`apply_weight_conversions` returns one dict either way.
+* ``modeling_utils.load_state_dict`` (public, but patched): from 5.23 ``from_pretrained`` reads the
+  checkpoint to "meta" on every rank but 0 under ZeRO-3; :func:`checkpoint_read_on_every_rank`.
 * ``model._weight_conversions``: the conversions a load used, which ``save_pretrained`` reverts.
 * ``tensor._is_hf_initialized``: the flag by which ``_init_weights`` skips a loaded tensor. A
   rename would silently re-initialise every loaded weight: :func:`missing` checks that
@@ -67,6 +70,31 @@ def set_zero3_loader(loader: Callable[..., Any]) -> None:
     modeling_utils._load_state_dict_into_zero3_model = loader
 
 
+@contextmanager
+def checkpoint_read_on_every_rank() -> Iterator[None]:
+    """While ``from_pretrained`` runs under ZeRO-3: every rank reads the checkpoint's tensors.
+
+    From 5.23 ``_load_pretrained_model`` reads the files with ``map_location="meta"`` on every rank
+    but 0 ("only rank 0 copies checkpoint values into the model"), which suits transformers' own
+    gather-and-copy loader. Ours copies each rank's slice into its own partition, with no collective
+    (:func:`lightning_zeromoe.loading.hf_zero3.load_into_partitions`), so each rank needs the data:
+    "meta" becomes "cpu". Safetensors files are memory-mapped, so a rank only touches the pages of
+    what it copies. Up to 5.22 every rank already read to "cpu" and this changes nothing.
+    """
+    from transformers import modeling_utils
+
+    original = modeling_utils.load_state_dict
+
+    def read(checkpoint_file: Any, map_location: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
+        return original(checkpoint_file, "cpu" if str(map_location) == "meta" else map_location, *args, **kwargs)
+
+    modeling_utils.load_state_dict = read
+    try:
+        yield
+    finally:
+        modeling_utils.load_state_dict = original
+
+
 def deepspeed_config_ref() -> Any:
     """What ``is_deepspeed_zero3_enabled()`` reads now (a weak reference, or ``None``)."""
     from transformers.integrations import deepspeed as hf_ds
@@ -82,10 +110,23 @@ def set_deepspeed_config_ref(ref: Any) -> None:
 
 
 def apply_weight_conversions(model: Any, state_dict: dict[str, Any], weight_mapping: Any) -> dict[str, Any]:
-    """transformers' own checkpoint conversions on part of a state dict."""
+    """transformers' own checkpoint conversions on part of a state dict, as one dict.
+
+    Up to 5.22 transformers returns a dict; from 5.23 a generator of dicts, one per converted tensor
+    and then the unconverted rest (and it pops the keys it reads from ``state_dict``). The callers
+    pass one layer's keys at a time, so collecting that layer's results costs no more than 5.22 did.
+    """
+    from collections.abc import Mapping
+
     from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
 
-    return _apply_weight_conversions_to_state_dict(model, state_dict, weight_mapping)
+    result = _apply_weight_conversions_to_state_dict(model, state_dict, weight_mapping)
+    if isinstance(result, Mapping):
+        return dict(result)
+    merged: dict[str, Any] = {}
+    for part in result:
+        merged.update(part)
+    return merged
 
 
 def keep_weight_conversions(model: Any, weight_mapping: Any) -> None:

@@ -101,7 +101,8 @@ def transformers_zero3(ds_config: Mapping[str, Any] | None) -> Iterator[None]:
     finder = ImportOutsideZeroInit()
     sys.meta_path.insert(0, finder)
     try:
-        yield
+        with hf_private.checkpoint_read_on_every_rank():  # transformers >= 5.23 reads "meta" on ranks != 0
+            yield
     finally:
         sys.meta_path.remove(finder)
         hf_private.set_zero3_loader(original)
