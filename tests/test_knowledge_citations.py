@@ -37,7 +37,6 @@ PENDING_LIBRARY: dict[str, str] = {
     "lightning_zeromoe/discovery/hf_semantics.py": "no top_k for a block without a config",
     "lightning_zeromoe/engine/collectives.py": "no default backend",
     "lightning_zeromoe/planner/plan.py": "the planner's recommendations",
-    "lightning_zeromoe/planner/cli.py": "the planner CLI's refusals ([planner-hf-config], issue 18), written beside the move",
     "lightning_zeromoe/_private/deepspeed.py": "no load_universal_checkpoint in this deepspeed",
 }
 

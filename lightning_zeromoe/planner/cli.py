@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import ParamCounts, count_params, is_expert_param
 from lightning_zeromoe.planner.plan import Plan, mixtral_report, plan
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
@@ -31,6 +32,9 @@ EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 #: Per-expert FFN width: MoE configs that also carry a dense ``intermediate_size`` name it first.
 EXPERT_FFN_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+
+
+ENTRY = "planner-hf-config"
 
 
 class PlannerInputError(ValueError):
@@ -65,25 +69,21 @@ def load_config(config_path: str | None = None, model_type: str | None = None) -
         try:
             raw = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise PlannerInputError(f"[planner-hf-config] cannot read {path}: {err}. Pass a Hugging Face "
-                                    "config.json (or the directory holding it).") from None
+            raise PlannerInputError(say(ENTRY, "unreadable", "readable-config", path=path, error=err)) from None
         model_type = (raw.pop("model_type", None) if isinstance(raw, dict) else None) or model_type
         if not model_type:
-            raise PlannerInputError(f"[planner-hf-config] {path} has no 'model_type'; add it (e.g. "
-                                    "\"model_type\": \"mixtral\") or pass --model-type.")
+            raise PlannerInputError(say(ENTRY, "no-model-type", "add-model-type", path=path))
     else:
         raw = {}
     if not isinstance(raw, dict):
-        raise PlannerInputError(f"[planner-hf-config] {config_path} is not a JSON object; pass a Hugging Face "
-                                "config.json.")
+        raise PlannerInputError(say(ENTRY, "not-an-object", "readable-config", path=config_path))
     from transformers import AutoConfig
 
     try:
         return AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError):
-        raise PlannerInputError(f"[planner-hf-config] unknown model_type {model_type!r} for transformers "
-                                f"{_transformers_version()}; use one transformers knows (e.g. mixtral, qwen3_moe, "
-                                "deepseek_v3), or upgrade transformers.") from None
+        raise PlannerInputError(say(ENTRY, "unknown-model-type", "known-model-type", model_type=model_type,
+                                    version=_transformers_version())) from None
 
 
 def model_facts(config: Any) -> ModelFacts:
@@ -96,13 +96,11 @@ def model_facts(config: Any) -> ModelFacts:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except ValueError as err:
-        raise PlannerInputError(f"[planner-hf-config] transformers has no causal-LM class for model_type "
-                                f"{model_type!r} ({str(err).splitlines()[0][:120]}); plan a decoder model.") from None
+        raise PlannerInputError(say(ENTRY, "no-causal-lm", "plan-a-decoder", model_type=model_type,
+                                    error=str(err).splitlines()[0][:120])) from None
     counts = count_params(model)
     if not counts.expert_total:
-        raise PlannerInputError(f"[planner-hf-config] model_type {model_type!r} builds no routed experts (no "
-                                "parameter under an 'experts' module): this planner is for MoE models; set the "
-                                "config's expert count (e.g. num_local_experts) or plan a dense model with --dense.")
+        raise PlannerInputError(say(ENTRY, "no-experts", "moe-config", model_type=model_type))
     moe_layers = len({name.split(".experts.")[0] for name, _ in model.named_parameters() if ".experts." in name})
     text = getattr(config, "get_text_config", lambda: config)()
 
@@ -111,8 +109,8 @@ def model_facts(config: Any) -> ModelFacts:
             value = getattr(text, key, None)
             if isinstance(value, int) and value > 0:
                 return value
-        raise PlannerInputError(f"[planner-hf-config] the {model_type!r} config has none of {', '.join(keys)}; "
-                                "add the one your model family uses.")
+        raise PlannerInputError(say(ENTRY, "missing-key", "add-config-key", model_type=model_type,
+                                    keys=", ".join(keys)))
 
     return ModelFacts(model_type=model_type, counts=counts, num_experts=first(EXPERT_KEYS), top_k=first(TOP_K_KEYS),
                       hidden_size=first(("hidden_size", "d_model")), num_layers=first(("num_hidden_layers",)),
@@ -157,9 +155,9 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
     gpus_per_node = args.gpus_per_node or args.gpus
     if args.ep_size is not None:
         if args.gpus % args.ep_size or facts.num_experts % args.ep_size:
-            raise PlannerInputError(
-                f"[ep-size-divisibility] ep_size={args.ep_size} must divide both the {facts.num_experts} experts and "
-                f"the {args.gpus} GPUs; valid values: {valid_ep_sizes(facts.num_experts, args.gpus)}.")
+            raise PlannerInputError(say("ep-size-divisibility", "planner", ep_size=args.ep_size,
+                                        num_experts=facts.num_experts, gpus=args.gpus,
+                                        valid=valid_ep_sizes(facts.num_experts, args.gpus)))
         eps = [args.ep_size]
     else:
         eps = valid_ep_sizes(facts.num_experts, args.gpus)
