@@ -24,6 +24,7 @@ _LAZY = {
     "plan": "lightning_zeromoe.planner",
     "ExpertUtilizationMonitor": "lightning_zeromoe.observe.monitor",
     "ExpertBiasBalancer": "lightning_zeromoe.balance.balancer",
+    "CommLedger": "lightning_zeromoe.observe.comm_ledger",
     "router_z_loss": "lightning_zeromoe.balance.rules",
 }
 
