@@ -25,8 +25,8 @@ from typing_extensions import override
 
 from lightning_zeromoe._private import lightning as lightning_private
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
-from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, ResolvedConfig, World, ZeroMoEConfigError,
-                                      check_ep_divides_world, check_offload_optimizer, effective_ep_size,
+from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, ResolvedConfig, World,
+                                      ZeroMoEConfigError, check_ep_divides_world, check_offload_optimizer, effective_ep_size,
                                       effective_stage, inference_config, native_ep, native_ep_sizes, resolve,
                                       strategy_settings, user_section, zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
@@ -212,8 +212,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         # configure_model() runs next, under zero.Init for stage 3: it needs the ZeRO section now.
         # The full config (discovery, validation, stage="auto") waits for the model, in setup().
         if self.resolved is None:
-            self.config = zero_init_config(self.options, auto_stage=self.auto_stage,
-                                           keyword_sections=self._keyword_sections(), user=self.user_config)
+            self.config = zero_init_config(self.options, auto_stage=self.auto_stage,  # to Lightning: a dict
+                                           keyword_sections=self._keyword_sections(), user=self.user_config).to_dict()
             lightning_private.rebuild_config(self)
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.
         DDPStrategy.setup_environment(self)
@@ -252,7 +252,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
         stage_3 = self.zero_stage_3
         with super().model_sharded_context(), trim_after_each_partition(stage_3), \
-                transformers_zero3(self.config if stage_3 else None):
+                transformers_zero3(self.ds_config if stage_3 else None):
             yield
 
     @override
@@ -280,7 +280,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if module is None:
             raise RuntimeError(say("strategy-argument-invalid", "no-module", "through-trainer"))
         if self.resolved is not None and self._resolved_for is module:
-            self.config = dict(self.resolved.config)
+            self.config = self.resolved.config
             lightning_private.rebuild_config(self)
             return
         self.discovery = discover(module, self.moe_pattern)
@@ -296,7 +296,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self._once.warn(warning)
         for note in self.resolved.notes:
             self._once.info(note)
-        self.config = dict(self.resolved.config)
+        self.config = self.resolved.config  # the dict Lightning owns and completes
         lightning_private.rebuild_config(self)  # Lightning adds batch size, accumulation, clipping, precision
 
     def _keyword_sections(self) -> dict[str, Any]:
@@ -320,6 +320,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def _accumulate_grad_batches(self) -> int:
         trainer = lightning_private.trainer_of(self.lightning_module)
         return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+
+    @property
+    def ds_config(self) -> DeepSpeedConfig:
+        """``self.config`` typed: the resolved config as Lightning completed it (batch, clipping, precision)."""
+        return DeepSpeedConfig.from_dict(self.config)
 
     @property
     def _stage(self) -> int:
@@ -355,7 +360,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     ) -> tuple["deepspeed.DeepSpeedEngine", torch.optim.Optimizer]:
         from lightning_zeromoe.engine.moe_groups import MoEOptimizerSplit, groups_with_names
 
-        check_offload_optimizer(self.config, type(optimizer) if optimizer is not None else None)
+        ds_config = self.ds_config
+        check_offload_optimizer(ds_config, type(optimizer) if optimizer is not None else None)
         self.pitfalls.before_engine(model, self.root_device)  # tied weights, buffers (engine.pitfalls)
         params: Any = [p for p in model.parameters() if p.requires_grad]
         client: Any = optimizer
@@ -365,10 +371,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             # deepspeed.initialize, so the split happens there, on the user's optimizer object.
             split = MoEOptimizerSplit(optimizer, lr_scheduler)
             params, client = groups_with_names(optimizer), split
-        config = self.config
         if autoep_converted(model):  # a second fit in this process: AutoEP must not convert twice
-            config = {k: v for k, v in config.items() if k != "expert_parallel"}
-        engine, ds_optimizer = self._build_engine(model, config, optimizer=client, params=params,
+            ds_config = ds_config.replace(expert_parallel=None)
+        engine, ds_optimizer = self._build_engine(model, ds_config, optimizer=client, params=params,
                                                   lr_scheduler=lr_scheduler)
         if split is not None:
             self._once.info(f"ZeroMoEStrategy: ZeRO stage {self._stage} with MoE: split your optimizer into "
@@ -384,7 +389,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     @override
     def _initialize_deepspeed_inference(self, model: Module) -> None:
         """validate/test/predict: the same builder as training, with ``expert_parallel`` kept."""
-        config = inference_config(self.config, already_converted=autoep_converted(model))
+        config = inference_config(self.ds_config, already_converted=autoep_converted(model))
         remove_hooks_defined_in(model, "deepspeed")  # the training engine's, if fit ran before in this process
         self.model, _ = self._build_engine(model, config, optimizer=None, params=[], lr_scheduler=None)
 
@@ -397,13 +402,13 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.checkpoint.resume.load import evaluation_parameters
 
         module = self.lightning_module
-        config = inference_config(self.config, already_converted=autoep_converted(module))
+        config = inference_config(self.ds_config, already_converted=autoep_converted(module))
         params = evaluation_parameters(module, checkpoint_path)
         remove_hooks_defined_in(module, "deepspeed")
         self.model, _ = self._build_engine(module, config, optimizer=torch.optim.SGD(params, lr=0.0), params=params,
                                            lr_scheduler=None)
 
-    def _build_engine(self, model: Module, config: dict[str, Any], *, optimizer: Any, params: Any,
+    def _build_engine(self, model: Module, config: DeepSpeedConfig, *, optimizer: Any, params: Any,
                       lr_scheduler: Any) -> tuple["deepspeed.DeepSpeedEngine", Any]:
         """The one engine builder, for training and evaluation, on CPU and GPU: each conversion is
         proven first (:mod:`lightning_zeromoe.conversion.prove`), then ``deepspeed.initialize``
@@ -457,7 +462,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         ctx = engine_save.SaveContext(
             global_rank=self.global_rank, is_global_zero=self.is_global_zero, world_size=self.world_size,
             zero_stage_3=self.zero_stage_3, exclude_frozen_parameters=self.exclude_frozen_parameters,
-            module=self.lightning_module, config=self.config, layouts=self._block_layouts())
+            module=self.lightning_module, config=self.ds_config, layouts=self._block_layouts())
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         #: The frozen-experts file this rank wrote at the last save (None: none, or another rank of its group).
         self.frozen_experts_written = engine_save.save(self.model, filepath, state, ctx, barrier=self.barrier,
@@ -492,7 +497,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         lightning_private.validate_checkpoint_directory(checkpoint_path)
         ctx = load.ResumeContext(
             world_size=self.world_size, stage=self._stage, is_global_zero=self.is_global_zero,
-            ep_section=self.config.get("expert_parallel"), layouts=self._block_layouts(),
+            ep_section=self.ds_config.expert_parallel_dict(), layouts=self._block_layouts(),
             experts={b.path: b.num_experts for b in (self.discovery.blocks if self.discovery else [])},
             fitting=fitting, strict=self.lightning_module.strict_loading)
         return load.load(self.deepspeed_engine, checkpoint_path, ctx,
@@ -511,7 +516,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             return super().load_model_state_dict(checkpoint, strict=strict)
         self.model_to_device()
         state = to_autoep_state_dict(checkpoint["state_dict"], self.lightning_module,
-                                     self.config.get("expert_parallel", {}), self._block_layouts())
+                                     self.ds_config.expert_parallel_dict(), self._block_layouts())
         load_gathered(self.lightning_module, state, strict=strict)
 
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.loading import hf_zero3 as hf_loading
 
 from lightning_zeromoe.loading import memory_release
@@ -125,8 +126,8 @@ def test_transformers_zero3_is_scoped():
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     assert not is_deepspeed_zero3_enabled()
-    with hf_loading.transformers_zero3({"zero_optimization": {"stage": 3}}):
+    with hf_loading.transformers_zero3(DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 3}})):
         assert is_deepspeed_zero3_enabled()
     assert not is_deepspeed_zero3_enabled()
-    with hf_loading.transformers_zero3({"zero_optimization": {"stage": 2}}):
+    with hf_loading.transformers_zero3(DeepSpeedConfig.from_dict({"zero_optimization": {"stage": 2}})):
         assert not is_deepspeed_zero3_enabled()

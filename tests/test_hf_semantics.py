@@ -18,6 +18,7 @@ from torch import nn
 from support.hf_zoo import build
 from lightning_zeromoe.conversion.check import (
     ENTRY_ID, check_block, check_conversion, narrowed_config, register_fallback_leaves, tolerance_for)
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.discovery.find import Discovery, MoEPattern, discover, exact_pattern
 from lightning_zeromoe.discovery.hf_semantics import routing_from_config
 from lightning_zeromoe.discovery.structure import find_blocks
@@ -70,7 +71,8 @@ def test_probe_catches_route_norm_opposite_to_the_config(arch: str) -> None:
     narrowed, checks = check_conversion(root, wrong)
     assert not narrowed.blocks and {b.path for b in narrowed.fallback} == {b.path for b in found.blocks}
     assert all("conversion probe failed" in b.reason for b in narrowed.fallback)
-    assert narrowed_config({"expert_parallel": {"enabled": True, **wrong.autoep}}, narrowed) == {}
+    assert narrowed_config(DeepSpeedConfig.from_dict({"expert_parallel": {"enabled": True, **wrong.autoep}}),
+                           narrowed).to_dict() == {}
 
 
 def test_probe_catches_llama4_score_apply() -> None:
@@ -91,7 +93,8 @@ def test_one_failing_block_narrows_the_pattern_to_the_others() -> None:
     assert re.fullmatch(narrowed.autoep["moe_layer_pattern"], second)
     assert not re.fullmatch(narrowed.autoep["moe_layer_pattern"], first)
     assert narrowed.autoep["moe_layer_pattern"] == exact_pattern([second])
-    cfg = narrowed_config({"expert_parallel": {"enabled": True, "moe_layer_pattern": "x"}}, narrowed)
+    cfg = narrowed_config(DeepSpeedConfig.from_dict({"expert_parallel": {"enabled": True, "moe_layer_pattern": "x"}}),
+                          narrowed).to_dict()
     assert cfg["expert_parallel"]["moe_layer_pattern"] == exact_pattern([second])
     assert "1 without EP" in narrowed.summary() and first in narrowed.summary()
 

@@ -24,6 +24,7 @@ from lightning_zeromoe.engine import pitfalls
 from lightning_zeromoe.checkpoint.export import check_output, target_dtype
 from lightning_zeromoe.discovery.find import discover
 from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
+from lightning_zeromoe.config.schema import BatchSection
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 from support.claims import claims
 from support.knowledge_scan import OWN_PATTERNS
@@ -48,7 +49,7 @@ def _config_errors() -> list[ZeroMoEConfigError]:
         lambda: prepared(NativeMoEModule(ep_size=1, second_ep_size=2), stage=2),
         lambda: prepared(NativeMoEModule(ep_size=2), stage=2, config={"expert_parallel": {"enabled": True}}),
         lambda: prepared(TinyMoEModule(), ep_size=2, config={"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}),
-        lambda: check_batch_arithmetic({"gradient_accumulation_steps": 4}, 2, 1),
+        lambda: check_batch_arithmetic(BatchSection(gradient_accumulation_steps=4), 2, 1),
         lambda: prepared(TinyMoEModule(), ep_size=2, moe_pattern=MoEPattern(block=r"model\.layers\.\d+\.mlp", top_k=0)),
     ]
     errors = []

@@ -14,6 +14,7 @@ from lightning_zeromoe.discovery.find import discover
 from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoEModule
 from lightning_zeromoe.config.resolve import (World, check_offload_optimizer, effective_ep_size, effective_grouped_experts,
                                        grouped_mm_applies, inference_config, resolve, zero_init_config)
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.config.validation import ZeroMoEConfigError
 from troubleshooter import knowledge
 
@@ -78,10 +79,10 @@ def test_user_stage_wins_over_auto_without_asking_the_planner():
 
 
 def test_zero_init_config_is_stage_3_for_auto_and_the_users_stage_otherwise():
-    assert zero_init_config(ZeroOptions(stage=3), auto_stage=True)["zero_optimization"]["stage"] == 3
-    assert zero_init_config(ZeroOptions(stage=1), auto_stage=False)["zero_optimization"]["stage"] == 1
+    assert zero_init_config(ZeroOptions(stage=3), auto_stage=True).stage == 3
+    assert zero_init_config(ZeroOptions(stage=1), auto_stage=False).to_dict()["zero_optimization"]["stage"] == 1
     user = {"zero_optimization": {"stage": 2}}
-    assert zero_init_config(ZeroOptions(stage=3), auto_stage=True, user=user)["zero_optimization"]["stage"] == 2
+    assert zero_init_config(ZeroOptions(stage=3), auto_stage=True, user=user).stage == 2
 
 
 def test_grouped_mm_only_for_bf16_on_gpu():
@@ -97,23 +98,29 @@ def test_grouped_mm_only_for_bf16_on_gpu():
 
 def test_inference_config_keeps_expert_parallel_unless_already_converted():
     found = discover(TinyMoEModule())
-    config = resolve(ZeroOptions(ep_size=2, offload_optimizer=True), World(2, 2, True), found,
-                     user={"bf16": {"enabled": True}}).config
-    fresh = inference_config(config, already_converted=False)
+    resolved = resolve(ZeroOptions(ep_size=2, offload_optimizer=True), World(2, 2, True), found,
+                       user={"bf16": {"enabled": True}})
+    config = resolved.config
+    fresh = inference_config(resolved.ds_config, already_converted=False).to_dict()
     assert fresh["expert_parallel"] == config["expert_parallel"] and fresh["bf16"] == {"enabled": True}
     assert fresh["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in fresh["zero_optimization"]
-    assert "expert_parallel" not in inference_config(config, already_converted=True)
+    assert fresh["zero_optimization"] == {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+    assert list(fresh) == ["train_micro_batch_size_per_gpu", "bf16", "zero_allow_untested_optimizer",
+                           "zero_optimization", "expert_parallel"] and fresh["train_micro_batch_size_per_gpu"] == 1
+    assert "expert_parallel" not in inference_config(resolved.ds_config, already_converted=True).to_dict()
 
 
 def test_offload_with_a_torch_optimizer_is_refused_naming_deepspeed_cpu_adam():
     config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     with pytest.raises(ZeroMoEConfigError, match=r"^\[offload-needs-ds-cpu-optimizer\] .*torch.optim.adamw.AdamW.*DeepSpeedCPUAdam"):
-        check_offload_optimizer(config, torch.optim.AdamW)
+        check_offload_optimizer(DeepSpeedConfig.from_dict(config), torch.optim.AdamW)
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    check_offload_optimizer(config, DeepSpeedCPUAdam)  # the right optimizer passes
-    check_offload_optimizer({"zero_optimization": {"stage": 3}}, torch.optim.AdamW)  # no offload: any optimizer
-    check_offload_optimizer({**config, "zero_force_ds_cpu_optimizer": False}, torch.optim.AdamW)  # the user's call
+    check_offload_optimizer(DeepSpeedConfig.from_dict(config), DeepSpeedCPUAdam)  # the right optimizer passes
+    for passes in ({"zero_optimization": {"stage": 3}},  # no offload: any optimizer
+                   {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}},
+                   {**config, "zero_force_ds_cpu_optimizer": False}):  # the user's call
+        check_offload_optimizer(DeepSpeedConfig.from_dict(passes), torch.optim.AdamW)
 
 
 # ------------------------------------------------------------------ grouped_experts (AutoEP's layer at ep_size=1)

@@ -14,7 +14,7 @@ Around DeepSpeed's own ``engine.save_checkpoint``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from torch.nn import Module
 
@@ -23,6 +23,9 @@ from lightning_zeromoe.checkpoint.frozen_experts import FrozenExpertSave
 from lightning_zeromoe.checkpoint.meta import META_FILE
 from lightning_zeromoe.checkpoint.save import build_meta, write_meta
 from lightning_zeromoe.knowledge import say
+
+if TYPE_CHECKING:
+    from lightning_zeromoe.config.schema import DeepSpeedConfig
 
 TAG = "checkpoint"
 
@@ -38,7 +41,7 @@ class SaveContext:
     exclude_frozen_parameters: bool
     #: The LightningModule and the DeepSpeed config it was built with (for the export metadata).
     module: Module
-    config: Mapping[str, Any]
+    config: DeepSpeedConfig
     #: Discovery's ``BlockLayout`` of every block kept for EP, by path.
     layouts: Mapping[str, Any]
 

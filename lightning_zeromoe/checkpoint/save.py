@@ -19,6 +19,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.checkpoint.autoep_names import BlockNames, block_names, names_for, own_name
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
 from lightning_zeromoe._private import deepspeed as ds_private
@@ -28,7 +29,7 @@ from lightning_zeromoe._private import transformers as hf_private
 __all__ = ["META_FILE", "build_meta", "write_meta", "expert_layout"]
 
 
-def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, tag: str = "checkpoint",
+def build_meta(module: Any, ds_config: DeepSpeedConfig, *, world_size: int, tag: str = "checkpoint",
                blocks: Mapping[str, Any] | None = None) -> ExportMeta:
     """Describe ``module`` (the LightningModule, after AutoEP conversion) for export.
 
@@ -38,7 +39,7 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
     caller has it: the block's own names (a nested router, shared experts) and fused layout.
     Without it, the names come from the AutoEP section and the layout from the rebuilt model.
     """
-    ep_section = ds_config.get("expert_parallel") or {}
+    ep_section = ds_config.expert_parallel_dict()  # AutoEP's own key names, read by block_names
     prefix, root = _export_root(module)
     lora = _lora_adapters(root)
     if lora:  # export the base model inside PeftModel; adapters are written apart
@@ -117,7 +118,7 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
     float_dtypes = [p.dtype for p in module.parameters() if p.is_floating_point()]
     return ExportMeta(
         tag=tag, world_size=int(world_size),
-        ep_size=int(ep_section.get("autoep_size", 1)) if ep_section.get("enabled") else 1,
+        ep_size=ds_config.autoep_size,
         prefix=prefix, dtype=str(float_dtypes[0]).replace("torch.", "") if float_dtypes else "float32",
         params={ds: own(o) for ds, o in param_map.items() if own(o) is not None},
         buffers={ds: own(o) for ds, o in buffers.items() if own(o) is not None},
@@ -125,7 +126,7 @@ def build_meta(module: Any, ds_config: Mapping[str, Any], *, world_size: int, ta
         frozen=sorted(o for o in (own(n) for n in frozen) if o is not None),
         outside_prefix=sorted(n for n in list(param_map.values()) + list(buffers.values()) if own(n) is None),
         unsupported=unsupported, model=_model_info(root), lora=lora,
-        zero_stage=int((ds_config.get("zero_optimization") or {}).get("stage", 0)), versions=_versions())
+        zero_stage=ds_config.stage, versions=_versions())
 
 
 def write_meta(meta: ExportMeta, ckpt_dir: str | os.PathLike) -> Path:

@@ -6,11 +6,12 @@ What the strategy uses is exported here; each name lives in the module named for
 from lightning_zeromoe.config.deepspeed import DEFAULT_BUCKET_SIZE
 from lightning_zeromoe.config.native_moe import native_ep, native_ep_sizes
 from lightning_zeromoe.config.options import strategy_settings
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offload_optimizer, effective_ep_size,
                                               effective_stage, inference_config, resolve, user_section,
                                               zero_init_config)
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "ResolvedConfig", "World", "ZeroMoEConfigError", "check_ep_divides_world",
+__all__ = ["DEFAULT_BUCKET_SIZE", "DeepSpeedConfig", "ResolvedConfig", "World", "ZeroMoEConfigError", "check_ep_divides_world",
            "check_offload_optimizer", "effective_ep_size", "effective_stage", "inference_config", "native_ep",
            "native_ep_sizes", "resolve", "strategy_settings", "user_section", "zero_init_config"]

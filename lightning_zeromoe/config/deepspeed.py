@@ -136,6 +136,3 @@ def _merge_into(target: dict[str, Any], source: Mapping[str, Any], prefix: str, 
             notes.append(f"{path}: {target[key]!r} -> {value!r} (from your config)")
         target[key] = copy.deepcopy(value)
 
-
-def zero_stage(config: Mapping[str, Any]) -> int:
-    return int(config.get("zero_optimization", {}).get("stage", 0))

@@ -13,6 +13,9 @@ checked and used:
   ``enabled: true`` at ``autoep_size`` 1) is decided in :func:`effective_grouped_experts`, which
   refuses the contradictions (``enabled: false``, ``use_grouped_mm: false``).
 
+The user's raw dict is merged and checked here, at the edge; the result is parsed once into the typed
+:class:`~lightning_zeromoe.config.schema.DeepSpeedConfig` that everything downstream reads.
+
 Pure: numbers, dicts and the discovery result in; a typed :class:`ResolvedConfig` out.
 """
 
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config, zero_stage
+from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config
 from lightning_zeromoe.discovery.find import Discovery
 from lightning_zeromoe.config.native_moe import native_ep
+from lightning_zeromoe.config.schema import BatchSection, DeepSpeedConfig, OffloadSection
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 from lightning_zeromoe.knowledge import say
 
@@ -42,10 +47,11 @@ class World:
 
 @dataclass
 class ResolvedConfig:
-    """The merged DeepSpeed config and the facts the strategy reads from it."""
+    """The merged DeepSpeed config, typed, and the facts resolution found besides it."""
 
-    config: dict[str, Any]
-    stage: int
+    ds_config: DeepSpeedConfig
+    #: The expert-parallel size that runs: the config's ``autoep_size`` (AutoEP), or native MoE
+    #: layers' own (no ``expert_parallel`` section then), or ``ep_size=``.
     ep_size: int
     #: AutoEP's layer at ep_size=1 (``grouped_experts``; see :func:`effective_grouped_experts`).
     grouped_experts: bool = False
@@ -55,10 +61,19 @@ class ResolvedConfig:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def stage(self) -> int:
+        """The ZeRO stage that runs (``zero_optimization.stage`` of the merged config)."""
+        return self.ds_config.stage
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The merged config as the dict handed to Lightning (``strategy.config``) and DeepSpeed."""
+        return self.ds_config.to_dict()
+
+    @property
     def expert_parallel(self) -> bool:
         """Whether AutoEP converts blocks (with ``ep_size > 1`` or ``grouped_experts``)."""
-        section = self.config.get("expert_parallel") or {}
-        return bool(section.get("enabled", False))
+        return self.ds_config.converts_blocks
 
 
 def user_section(user: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
@@ -174,12 +189,19 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     base, _ = merge_config(base, keyword_sections)
     merged, overrides = merge_config(base, user)
     notes += [f"ZeroMoEStrategy config override: {line}" for line in overrides]
-    check_batch_arithmetic(merged, world.world_size, world.accumulate_grad_batches)
-    # Lightning sets gradient_accumulation_steps itself and refuses a config that has it.
-    merged.pop("gradient_accumulation_steps", None)
-    assert zero_stage(merged) == stage, "the stage is decided in effective_stage only"
-    return ResolvedConfig(config=merged, stage=stage, ep_size=ep_size, grouped_experts=grouped, warnings=warnings,
+    ds_config = DeepSpeedConfig.from_dict(merged)
+    check_batch_arithmetic(ds_config.batch, world.world_size, world.accumulate_grad_batches)
+    ds_config = without_accumulation(ds_config)
+    assert ds_config.stage == stage, "the stage is decided in effective_stage only"
+    return ResolvedConfig(ds_config=ds_config, ep_size=ep_size, grouped_experts=grouped, warnings=warnings,
                           notes=notes)
+
+
+def without_accumulation(ds_config: DeepSpeedConfig) -> DeepSpeedConfig:
+    """Lightning sets ``gradient_accumulation_steps`` itself and refuses a config that has it."""
+    extra = {k: v for k, v in ds_config.extra.items() if k != "gradient_accumulation_steps"}  # one written as null
+    return ds_config.replace(batch=dataclasses.replace(ds_config.batch, gradient_accumulation_steps=None),
+                             extra=MappingProxyType(extra))
 
 
 def grouped_note(asked: bool, use_grouped_mm: bool) -> str:
@@ -191,7 +213,7 @@ def grouped_note(asked: bool, use_grouped_mm: bool) -> str:
             f"(autoep_size=1, every rank holds every expert, no all-to-all); the experts run {path}.")
 
 
-def inference_config(config: Mapping[str, Any], *, already_converted: bool) -> dict[str, Any]:
+def inference_config(config: DeepSpeedConfig, *, already_converted: bool) -> DeepSpeedConfig:
     """The config for an engine without optimizer (validate/test/predict), from the training config.
 
     Keeps precision, the ZeRO section (stage 3 partitions parameters for inference too; lower
@@ -200,41 +222,43 @@ def inference_config(config: Mapping[str, Any], *, already_converted: bool) -> d
     converted (``validate`` after ``fit`` in the same process) must not be converted twice: its
     section is dropped and its expert layers keep their groups.
     """
-    out: dict[str, Any] = {"train_micro_batch_size_per_gpu": config.get("train_micro_batch_size_per_gpu", 1)}
-    for key in ("fp16", "bf16", "zero_allow_untested_optimizer"):
-        if key in config:
-            out[key] = config[key]
-    if zero_stage(config) == 3:
-        zero = dict(config["zero_optimization"])
-        for key in ("offload_optimizer",):
-            zero.pop(key, None)
-        out["zero_optimization"] = zero
-    if "expert_parallel" in config and not already_converted:
-        out["expert_parallel"] = dict(config["expert_parallel"])
-    return out
+    micro = config.batch.train_micro_batch_size_per_gpu
+    order = ("train_micro_batch_size_per_gpu", "fp16", "bf16", "zero_allow_untested_optimizer", "zero_optimization",
+             "expert_parallel")
+    kept = {k: config.extra[k] for k in ("zero_allow_untested_optimizer", "train_micro_batch_size_per_gpu")
+            if k in config.extra}  # the micro batch there only when written as null: kept as written
+    zero = None
+    if config.stage == 3 and config.zero is not None:
+        zero = dataclasses.replace(config.zero, offload_optimizer=None,
+                                   extra={k: v for k, v in config.zero.extra.items() if k != "offload_optimizer"})
+    if micro is None and "train_micro_batch_size_per_gpu" not in kept:
+        micro = 1
+    return DeepSpeedConfig(zero=zero, expert_parallel=None if already_converted else config.expert_parallel,
+                           precision=config.precision, batch=BatchSection(train_micro_batch_size_per_gpu=micro),
+                           extra=MappingProxyType(kept), order=order)
 
 
-def check_offload_optimizer(config: Mapping[str, Any], optimizer_class: type | None) -> None:
+def check_offload_optimizer(config: DeepSpeedConfig, optimizer_class: type | None) -> None:
     """ZeRO-Offload of the optimizer needs DeepSpeed's CPU optimizer, not a torch one.
 
     DeepSpeed refuses a torch optimizer only deep inside ``deepspeed.initialize`` (with
     ``zero_force_ds_cpu_optimizer``, on by default); this says so before any engine exists.
     """
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
-    if optimizer_class is None or offload.get("device", "none") in ("none", None):
+    offload = config.offload_optimizer or OffloadSection()
+    if optimizer_class is None or not offload.active:
         return
-    if not config.get("zero_force_ds_cpu_optimizer", True):
+    if not config.force_ds_cpu_optimizer:
         return
     module = optimizer_class.__module__ or ""
     if module.startswith("deepspeed."):
         return
     raise ZeroMoEConfigError(
         say("offload-needs-ds-cpu-optimizer", "torch-optimizer", "use-deepspeed-cpu-adam",
-            device=offload.get('device'), module=module, qualname=optimizer_class.__qualname__))
+            device=offload.device, module=module, qualname=optimizer_class.__qualname__))
 
 
 def zero_init_config(options: ZeroOptions, *, auto_stage: bool, keyword_sections: Mapping[str, Any] | None = None,
-                     user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     user: Mapping[str, Any] | None = None) -> DeepSpeedConfig:
     """The config ``zero.Init`` sees while ``configure_model`` builds the model (before :func:`resolve`).
 
     Only its ZeRO section matters there (``zero.Init`` is on for stage 3). ``stage="auto"`` cannot
@@ -247,5 +271,4 @@ def zero_init_config(options: ZeroOptions, *, auto_stage: bool, keyword_sections
     base = build_config(dataclasses.replace(options, stage=stage, ep_size=1), None, use_grouped_mm=False)
     base, _ = merge_config(base, keyword_sections)
     merged, _ = merge_config(base, user)
-    merged.pop("gradient_accumulation_steps", None)
-    return merged
+    return without_accumulation(DeepSpeedConfig.from_dict(merged))

@@ -9,11 +9,14 @@ Pure functions: they take numbers and the discovery result, and raise or return 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING
 
 from lightning_zeromoe.compat import NATIVE_MOE_ZERO3_MESSAGE
 from lightning_zeromoe.discovery.find import Discovery
 from lightning_zeromoe.knowledge import entry_of, say
+
+if TYPE_CHECKING:
+    from lightning_zeromoe.config.schema import BatchSection
 
 
 class ZeroMoEConfigError(ValueError):
@@ -109,19 +112,20 @@ def _layout_warnings(layout: Layout, found: Discovery) -> list[str]:
     return warnings
 
 
-def check_batch_arithmetic(config: Mapping[str, Any], world_size: int, accumulate_grad_batches: int) -> None:
+def check_batch_arithmetic(batch: BatchSection, world_size: int, accumulate_grad_batches: int) -> None:
     """train_batch_size must equal micro_batch x accumulation x data-parallel ranks.
 
     DeepSpeed refuses the config otherwise, but only at ``deepspeed.initialize``; Lightning sets
     the accumulation from ``Trainer(accumulate_grad_batches=...)``.
     """
-    accumulation = config.get("gradient_accumulation_steps", accumulate_grad_batches)
+    accumulation = batch.gradient_accumulation_steps
+    accumulation = accumulate_grad_batches if accumulation is None else accumulation
     if accumulation != accumulate_grad_batches:
         raise ZeroMoEConfigError(
             say("lightning-gradient-accumulation", "disagrees", "use-accumulate-grad-batches",
                 accumulation=accumulation, accumulate_grad_batches=accumulate_grad_batches,
                 value=accumulate_grad_batches))
-    total, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
+    total, micro = batch.train_batch_size, batch.train_micro_batch_size_per_gpu
     if total is None or micro is None or "auto" in (total, micro):
         return
     expected = int(micro) * accumulation * world_size

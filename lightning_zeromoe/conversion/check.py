@@ -33,6 +33,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.engine import collectives
 from lightning_zeromoe.discovery.block_probe import gathered
 from lightning_zeromoe.conversion.probe import (ProbeError, Side, expert_weight_names, output_of, parameter_name,
@@ -338,14 +339,14 @@ def register_fallback_leaves(root: nn.Module, found: Discovery, ep_converts: boo
     return paths
 
 
-def narrowed_config(config: dict[str, Any], found: Discovery) -> dict[str, Any]:
+def narrowed_config(config: DeepSpeedConfig, found: Discovery) -> DeepSpeedConfig:
     """The DeepSpeed config with its AutoEP section pointed at exactly the blocks that passed."""
-    section = config.get("expert_parallel")
-    if not isinstance(section, dict):
+    section = config.expert_parallel
+    if section is None:
         return config
-    out = dict(config)
     if not found.blocks:
-        out.pop("expert_parallel")
-    elif "moe_layer_pattern" in found.autoep:
-        out["expert_parallel"] = {**section, "moe_layer_pattern": found.autoep["moe_layer_pattern"]}
-    return out
+        return config.replace(expert_parallel=None)
+    if "moe_layer_pattern" in found.autoep:
+        return config.replace(expert_parallel=dataclasses.replace(section,
+                                                                  moe_layer_pattern=found.autoep["moe_layer_pattern"]))
+    return config

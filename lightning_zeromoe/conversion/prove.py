@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.nn import Module
 
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.conversion.check import (check_conversion, match_output_contract, narrowed_config,
                                                 probe_summary, register_fallback_leaves, restore_router_logits)
 from lightning_zeromoe.discovery.find import Discovery
@@ -22,7 +23,7 @@ from lightning_zeromoe.discovery.find import Discovery
 class Proof:
     """What :func:`prove` decided: the config DeepSpeed gets and what to tell the user."""
 
-    config: dict[str, Any]
+    config: DeepSpeedConfig
     #: Discovery with the blocks that failed their probe moved to the fallbacks.
     found: Discovery
     #: Whether AutoEP converts any block.
@@ -31,19 +32,19 @@ class Proof:
     notes: list[str] = field(default_factory=list)
 
 
-def prove(module: Module, found: Discovery, config: dict[str, Any], *, ep_size: int, on_cpu: bool,
+def prove(module: Module, found: Discovery, config: DeepSpeedConfig, *, ep_size: int, on_cpu: bool,
           zero_stage_3: bool) -> Proof:
     """Probe, narrow and register leaves (collective under ZeRO-3: every rank calls it)."""
     warnings: list[str] = []
     notes: list[str] = []
-    ep_section = config.get("expert_parallel")
+    ep_section = config.expert_parallel
     # AutoEP converts: expert parallelism, or grouped_experts at ep_size=1 (ResolvedConfig.expert_parallel).
-    converts = bool(found.blocks) and isinstance(ep_section, dict) and bool(ep_section.get("enabled"))
-    if converts:
+    converts = bool(found.blocks) and config.converts_blocks
+    if converts and ep_section is not None:
         section = dict(found.autoep)
-        found, checks = check_conversion(module, found, section=ep_section)
+        found, checks = check_conversion(module, found, section=ep_section.to_dict())  # AutoEP's parser reads a dict
         warnings += [check.message(section) for check in checks if not check.passed]
-        notes.append(probe_summary(checks, grouped_configured=bool(ep_section.get("use_grouped_mm")), on_cpu=on_cpu))
+        notes.append(probe_summary(checks, grouped_configured=bool(ep_section.use_grouped_mm), on_cpu=on_cpu))
         converts = bool(found.blocks)
     # Also when nothing is probed (every block fell back at fit, and validate builds the evaluation
     # engine from the full config again): AutoEP converts only the blocks that passed.

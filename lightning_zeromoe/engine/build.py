@@ -15,6 +15,7 @@ from torch.nn import Module
 
 from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
 from lightning_zeromoe.config.autoep_wire import config_for_deepspeed
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 
 if TYPE_CHECKING:
     import deepspeed
@@ -48,20 +49,21 @@ def autoep_converted(model: Module) -> bool:
     return any(isinstance(m, AutoEPMoELayer) for m in model.modules())
 
 
-def initialize(model: Module, config: dict[str, Any], *, device_rank: int, root_config: Any, optimizer: Any,
+def initialize(model: Module, config: DeepSpeedConfig, *, device_rank: int, root_config: Any, optimizer: Any,
                params: Any, lr_scheduler: Any) -> tuple["deepspeed.DeepSpeedEngine", Any]:
     """``deepspeed.initialize`` with the root config lent, and what DeepSpeed needs around it.
 
     DeepSpeed gets no ``preset_model`` next to a re-rooted pattern when AutoEP picks that preset from
     the lent config itself (it warns about the pair: :mod:`lightning_zeromoe.config.autoep_wire`), and
     runs inside the transformers-registry shim (transformers >= 5.23 with deepspeed 0.19.8's AutoEP).
+    The typed config becomes the dict DeepSpeed reads here, and only here.
     """
     import deepspeed
 
-    config = config_for_deepspeed(config, root_config)
+    wire = config_for_deepspeed(config.to_dict(), root_config)
     with lend_root_config(model, root_config), autoep_output_capture_shim():
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank), config=config, model=model,
+            args=argparse.Namespace(device_rank=device_rank), config=wire, model=model,
             model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
     return engine, ds_optimizer
 

@@ -42,7 +42,7 @@ import importlib.abc
 import sys
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from torch import nn
 from lightning_zeromoe._private import transformers as hf_private
 from lightning_zeromoe.loading.expert_fusion import convert_row, copy_range_into_partition, load_expert_rows, split_expert_rows
 from lightning_zeromoe.loading.memory_release import FilePages, trim_heap
+
+if TYPE_CHECKING:
+    from lightning_zeromoe.config.schema import DeepSpeedConfig
 
 #: Private names this module relies on, by owner (checked by tests/test_hf_loading.py).
 PRIVATE_NAMES = {
@@ -71,21 +74,22 @@ class _Zero3Flag:
     these two members.
     """
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        self.config = dict(config)
+    def __init__(self, config: DeepSpeedConfig) -> None:
+        self.config = config.to_dict()  # transformers reads the dict
+        self.stage = config.stage
 
     def is_zero3(self) -> bool:
-        return int(self.config.get("zero_optimization", {}).get("stage", 0)) == 3
+        return self.stage == 3
 
 
 @contextmanager
-def transformers_zero3(ds_config: Mapping[str, Any] | None) -> Iterator[None]:
+def transformers_zero3(ds_config: DeepSpeedConfig | None) -> Iterator[None]:
     """Tell transformers that ZeRO-3 is on, and load ``from_pretrained`` weights partition by partition.
 
     A no-op when ``ds_config`` is ``None`` or not stage 3, or when transformers is not installed.
     Whatever transformers had registered before is put back afterwards.
     """
-    if ds_config is None or int(ds_config.get("zero_optimization", {}).get("stage", 0)) != 3:
+    if ds_config is None or ds_config.stage != 3:
         yield
         return
     try:

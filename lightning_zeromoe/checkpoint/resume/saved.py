@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_zeromoe.checkpoint.autoep_names import ResumeShapeError
+from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.knowledge import say
 
 
@@ -82,8 +83,8 @@ def read_saved(ckpt_dir: str | os.PathLike) -> SavedCheckpoint:
     if not files:
         raise ResumeShapeError(say("resume-shape-unsupported", "no-model-states", tag_dir=path / tag))
     state = load_model_states(files[0])
-    config = state.get("ds_config") or {}
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    config = DeepSpeedConfig.from_dict(state.get("ds_config") or {})  # the dict deepspeed.initialize got
+    stage = config.stage
     layers = state.get("ds_autoep_layers") or []
     experts = {layer["module_path"]: int(layer["num_experts"]) for layer in layers}
     ep_sizes = {int(layer["ep_size"]) for layer in layers} or {1}
@@ -93,7 +94,7 @@ def read_saved(ckpt_dir: str | os.PathLike) -> SavedCheckpoint:
     world = int(state.get("dp_world_size", len(files))) * int(state.get("mp_world_size", 1))
     trainable = tuple(name for group in state.get("param_shapes") or [] for name in group)
     return SavedCheckpoint(path=path, tag=tag, shape=Shape(world, ep_sizes.pop(), stage), experts=experts,
-                           ep_section=dict(config.get("expert_parallel") or {}), trainable=trainable)
+                           ep_section=config.expert_parallel_dict(), trainable=trainable)
 
 
 @dataclass(frozen=True)
