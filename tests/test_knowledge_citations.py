@@ -31,7 +31,6 @@ PENDING_LIBRARY: dict[str, str] = {
     "lightning_zeromoe/compat.py": "version facts: NATIVE_MOE_ZERO3_MESSAGE quotes DeepSpeed; the env-var notes and the "
                                    "transformers pin's fix= belong in nccl-timeout-env-ignored / ds-build-ops-meaning / "
                                    "autoep-transformers-5.23",
-    "lightning_zeromoe/config/deepspeed.py": "ZeroOptions' argument errors (resolve wraps them as [merged-config-invalid])",
     "lightning_zeromoe/demo.py": "the demo's --accelerator gpu refusal",
     "lightning_zeromoe/discovery/hf.py": "several Hugging Face MoE models in one module",
     "lightning_zeromoe/discovery/hf_semantics.py": "no top_k for a block without a config",

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from lightning_zeromoe.knowledge import say
+from lightning_zeromoe.knowledge import compose, say
+
+#: ZeroOptions' refusals (rendered without prefix: resolve wraps them as [merged-config-invalid]).
+ARGUMENTS = "strategy-argument-invalid"
 
 #: Bucket size the field notes recommend for MoE under stage 3 (elements, not bytes).
 DEFAULT_BUCKET_SIZE = 50_000_000
@@ -40,16 +43,16 @@ class ZeroOptions:
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3 (or 'auto').")
+            raise ValueError(compose(ARGUMENTS, "zero-stage", stage=self.stage))
         if not isinstance(self.ep_size, int) or self.ep_size < 1:
-            raise ValueError(f"ep_size={self.ep_size!r} must be a positive integer (1 = no expert parallelism).")
+            raise ValueError(compose(ARGUMENTS, "ep-size", ep_size=self.ep_size))
         if not isinstance(self.grouped_experts, bool):
-            raise ValueError(f"grouped_experts={self.grouped_experts!r} must be True or False.")
+            raise ValueError(compose(ARGUMENTS, "grouped-experts", value=self.grouped_experts))
         if self.offload_parameters and self.stage != 3:
-            raise ValueError("offload_parameters=True needs stage=3: only ZeRO-3 partitions parameters.")
+            raise ValueError(compose(ARGUMENTS, "offload-parameters-stage"))
         for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be a positive number of elements.")
+                raise ValueError(compose(ARGUMENTS, "bucket-size", name=name, value=getattr(self, name)))
 
 
 def zero_section(opts: ZeroOptions) -> dict[str, Any]:
@@ -112,9 +115,10 @@ def load_user_config(config: str | Path | Mapping[str, Any] | None) -> dict[str,
     try:
         loaded = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}:{err.colno}: invalid JSON in DeepSpeed config: {err.msg}") from None
+        raise ValueError(say("config-file-format", "invalid-json-file", path=path, line=err.lineno, col=err.colno,
+                             error=err.msg)) from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object, got {type(loaded).__name__}.")
+        raise ValueError(say("config-file-format", "not-an-object", path=path, type_name=type(loaded).__name__))
     return loaded
 
 
