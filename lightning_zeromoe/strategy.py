@@ -25,8 +25,8 @@ from typing_extensions import override
 
 from lightning_zeromoe._private import lightning as lightning_private
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
-from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, ResolvedConfig, World,
-                                      ZeroMoEConfigError, check_ep_divides_world, check_offload_optimizer, effective_ep_size,
+from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, ResolvedConfig, World, ZeroMoEConfigError,
+                                      check_ep_divides_world, check_offload_optimizer, effective_ep_size,
                                       effective_stage, inference_config, native_ep, native_ep_sizes, resolve,
                                       strategy_settings, user_section, zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover

@@ -85,7 +85,8 @@ def test_a_user_config_keeps_every_key_verbatim():
 def test_each_section_reads_typed():
     config = DeepSpeedConfig.from_dict(USER)
     assert config.stage == 2 and config.zero.stage == 2
-    assert config.offload_optimizer.device == "cpu" and config.offload_optimizer.active and config.zero.offload_param is None
+    assert config.offload_optimizer.device == "cpu" and config.offload_optimizer.active
+    assert config.zero.offload_param is None
     assert config.expert_parallel.autoep_size == 2 and config.expert_parallel.enabled is None
     assert not config.converts_blocks and config.autoep_size == 1  # AutoEP is off unless enabled: true
     assert config.precision.bf16.enabled is True and config.precision.fp16 is None

@@ -12,6 +12,7 @@ from lightning_zeromoe.config.resolve import (ResolvedConfig, World, check_offlo
                                               zero_init_config)
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, check_ep_divides_world
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "DeepSpeedConfig", "ResolvedConfig", "World", "ZeroMoEConfigError", "check_ep_divides_world",
-           "check_offload_optimizer", "effective_ep_size", "effective_stage", "inference_config", "native_ep",
-           "native_ep_sizes", "resolve", "strategy_settings", "user_section", "zero_init_config"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "DeepSpeedConfig", "ResolvedConfig", "World", "ZeroMoEConfigError",
+           "check_ep_divides_world", "check_offload_optimizer", "effective_ep_size", "effective_stage",
+           "inference_config", "native_ep", "native_ep_sizes", "resolve", "strategy_settings", "user_section",
+           "zero_init_config"]

@@ -230,7 +230,8 @@ def inference_config(config: DeepSpeedConfig, *, already_converted: bool) -> Dee
     zero = None
     if config.stage == 3 and config.zero is not None:
         zero = dataclasses.replace(config.zero, offload_optimizer=None,
-                                   extra={k: v for k, v in config.zero.extra.items() if k != "offload_optimizer"})
+                                   extra=MappingProxyType({k: v for k, v in config.zero.extra.items()
+                                                           if k != "offload_optimizer"}))
     if micro is None and "train_micro_batch_size_per_gpu" not in kept:
         micro = 1
     return DeepSpeedConfig(zero=zero, expert_parallel=None if already_converted else config.expert_parallel,
