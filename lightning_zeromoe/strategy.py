@@ -168,6 +168,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             rank_zero_info(settings.note)
         self.options, self.auto_stage, self.ep_size_given = settings.options, settings.auto_stage, settings.ep_size_given
         self.keywords, self.user_config, self.moe_pattern = settings.keywords, settings.user_config, settings.moe_pattern
+        #: ``plan_for=``'s model counted on the meta device (``CountedModel``), or None.
         self.plan_for = settings.plan_for
         self.discovery: Discovery | None = None
         #: The merged, validated config and the facts read from it; built once, in ``setup``.
