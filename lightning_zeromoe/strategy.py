@@ -26,9 +26,10 @@ from typing_extensions import override
 from lightning_zeromoe._private import lightning as lightning_private
 from lightning_zeromoe._private.torch import remove_hooks_defined_in
 from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, ResolvedConfig, World, ZeroMoEConfigError,
-                                      check_ep_divides_world, check_offload_optimizer, effective_ep_size,
-                                      effective_stage, inference_config, native_ep, native_ep_sizes, resolve,
-                                      strategy_settings, user_section, zero_init_config)
+                                      builds_in_configure_model, check_ep_divides_world, check_offload_optimizer,
+                                      effective_ep_size, effective_stage, inference_config, native_ep, native_ep_sizes,
+                                      options_before_model, resolve, strategy_settings, user_section,
+                                      zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, group_timeout, initialize,
                                       stop_launched_ranks, use_deepspeed_cpu_accelerator)
@@ -36,6 +37,8 @@ from lightning_zeromoe.knowledge import say
 
 if TYPE_CHECKING:
     import deepspeed
+
+    from lightning_zeromoe.planner.plan_for import PlanFor
 
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -70,9 +73,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             that layer anyway.
         stage: ZeRO stage, 3 by default (parameters, gradients and optimizer states sharded), or
             ``"auto"``: once the model exists, :func:`lightning_zeromoe.planner.choose_stage` picks
-            the lowest stage whose model states fit the device memory and logs why. A model built
-            under ``zero.Init`` in ``configure_model`` is already sharded, so ``"auto"`` keeps stage 3
-            for it. A ``zero_optimization.stage`` in ``config`` wins over both. Stages 1 and 2 split
+            the lowest stage whose model states fit the device memory and logs why. A model built in
+            ``configure_model`` does not exist yet when ``zero.Init`` is entered: with ``plan_for``
+            the stage is planned from it first, and the model is built under ``zero.Init`` only if
+            that stage is 3; without, it is built under ``zero.Init`` and keeps stage 3 (logged).
+            A ``zero_optimization.stage`` in ``config`` wins over both. Stages 1 and 2 split
             the optimizer from ``configure_optimizers`` into MoE and non-MoE param groups.
         offload_optimizer: Keep optimizer states in CPU memory. A last resort: it trades GPU
             memory for PCIe traffic and CPU Adam time. Needs ``DeepSpeedCPUAdam`` from
@@ -109,6 +114,11 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         comm_stats: Count the bytes of every collective per optimizer step, by collective and process
             group, and log them (``comm/<collective>/<group>_MB``): installs a
             :class:`~lightning_zeromoe.observe.comm_ledger.CommLedger` (``strategy.comm_ledger``).
+        plan_for: With ``stage="auto"`` only: the model ``configure_model`` will build, to plan the
+            stage before it exists: the directory ``from_pretrained`` loads (or its ``config.json``),
+            a hub id ``"org/name"`` (its ``config.json`` alone is fetched), or a ``PretrainedConfig``.
+            Built from its config on the meta device and counted when the strategy is constructed:
+            no weights are read (:mod:`lightning_zeromoe.planner.plan_for`).
         **kwargs: Lightning's ``DeepSpeedStrategy`` keywords. Those the parent uses itself are passed
             on (accelerator, parallel_devices, cluster_environment, precision_plugin,
             process_group_backend, logging_level, remote_device, loss_scale*, load_full_weights, ...);
@@ -144,9 +154,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         guard_device_moves: bool = True,
         grad_audit_steps: int = 3,
         comm_stats: bool = False,
+        plan_for: "PlanFor | None" = None,
         **kwargs: Any,
     ) -> None:
-        settings = strategy_settings(
+        settings = strategy_settings(plan_for=plan_for,
             ep_size=ep_size, stage=stage, grouped_experts=grouped_experts, offload_optimizer=offload_optimizer,
             offload_parameters=offload_parameters, config=config, moe_pattern=moe_pattern, lightning_keywords=kwargs,
             pin_memory=pin_memory, overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients,
@@ -157,6 +168,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             rank_zero_info(settings.note)
         self.options, self.auto_stage, self.ep_size_given = settings.options, settings.auto_stage, settings.ep_size_given
         self.keywords, self.user_config, self.moe_pattern = settings.keywords, settings.user_config, settings.moe_pattern
+        #: ``plan_for=``'s model counted on the meta device (``CountedModel``), or None.
+        self.plan_for = settings.plan_for
         self.discovery: Discovery | None = None
         #: The merged, validated config and the facts read from it; built once, in ``setup``.
         self.resolved: ResolvedConfig | None = None
@@ -209,10 +222,20 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
         if self._on_cpu:
             use_deepspeed_cpu_accelerator()
-        # configure_model() runs next, under zero.Init for stage 3: it needs the ZeRO section now.
-        # The full config (discovery, validation, stage="auto") waits for the model, in setup().
+        # configure_model() runs next, under zero.Init for stage 3: it needs the ZeRO section now
+        # (stage="auto": planned from plan_for, else 3; config/before_model.py). The full config
+        # (discovery, validation, stage="auto" from the model) waits for the model, in setup().
         if self.resolved is None:
-            self.config = zero_init_config(self.options, auto_stage=self.auto_stage,  # to Lightning: a dict
+            world = World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                          on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision))
+            options, note = options_before_model(
+                self.options, auto_stage=self.auto_stage, user=self.user_config, plan_for=self.plan_for, world=world,
+                builds_later=builds_in_configure_model(self.lightning_module), device_memory_bytes=self._device_memory_bytes)
+            if note:
+                self._once.info(note)
+            if self.plan_for is not None:  # its choice is the one decision: setup does not plan again
+                self.options, self.auto_stage = options, False
+            self.config = zero_init_config(options, auto_stage=False,  # to Lightning: a dict
                                            keyword_sections=self._keyword_sections(), user=self.user_config).to_dict()
             lightning_private.rebuild_config(self)
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.

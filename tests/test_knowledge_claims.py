@@ -589,6 +589,10 @@ CHECKED = {
     "export-unsupported-model": ["test_export_units.py::test_lora_merge_and_adapter_names"],
     "export-untrusted-object": ["test_checkpoint.py::test_checkpoint_holding_a_custom_class_is_refused_unless_trusted"],
     "planner-hf-config": ["test_planner_cli.py::test_bad_input_is_one_line_with_its_entry_and_exit_2"],
+    "plan-for-invalid": ["test_plan_for.py::test_bad_plan_for_is_one_line_from_the_knowledge_base_at_construction",
+                         "test_plan_for.py::test_a_hub_id_reads_only_its_config_and_says_so_when_it_cannot"],
+    "stage-auto-kept-3": [
+        "test_plan_for.py::test_auto_without_plan_for_keeps_3_for_a_configure_model_module_and_says_how_to_plan"],
 }
 
 

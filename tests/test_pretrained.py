@@ -21,22 +21,12 @@ import pytest
 import torch
 
 from support.jobs import read_ranks, run_job
+from support.pretrained import SEQ_LEN, build_tiny_mixtral, lm_loss, plain_reference
 from lightning_zeromoe.reference.models import SyntheticLMData
 
-STEPS, ACCUMULATE, BATCH, AUDIT, LR, SEQ_LEN = 3, 2, 2, 2, 3e-3, 17
+STEPS, ACCUMULATE, BATCH, AUDIT = 3, 2, 2, 2
 #: fp32 on both sides; the remaining difference is summation order in the experts and the all-reduce.
 RTOL = 2e-5
-
-
-def build_tiny_mixtral(seed: int = 0) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(seed)
-    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                           num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-                           output_router_logits=True, tie_word_embeddings=False, attn_implementation="sdpa")
-    return MixtralForCausalLM(config)
 
 
 @pytest.fixture(scope="module")
@@ -49,28 +39,8 @@ def pretrained_run(tmp_path_factory):
     return root / "mixtral", read_ranks(root / "out", 2)
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=tokens, labels=tokens, output_router_logits=True, use_cache=False).loss
-
-
 def reference(path: Path, ranks: list[dict]) -> list[list[float]]:
-    """Plain loop: per optimizer step, the mean over ranks and micro-batches of each rank's loss."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path)
-    data = SyntheticLMData(BATCH * 2 * STEPS * ACCUMULATE, SEQ_LEN, 128, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses: list[list[float]] = [[], []]
-    for step in range(STEPS):
-        opt.zero_grad()
-        for micro in range(ACCUMULATE):
-            k = step * ACCUMULATE + micro
-            for r in (0, 1):
-                loss = _loss(model, data.tokens[ranks[r]["steps"][k]["indices"]])
-                (loss / (2 * ACCUMULATE)).backward()
-                losses[r].append(loss.item())
-        opt.step()
-    return losses
+    return plain_reference(path, ranks, steps=STEPS, accumulate=ACCUMULATE, batch=BATCH)
 
 
 def test_first_loss_is_the_pretrained_models_and_every_step_matches(pretrained_run):
@@ -83,7 +53,7 @@ def test_first_loss_is_the_pretrained_models_and_every_step_matches(pretrained_r
     data = SyntheticLMData(BATCH * 2 * STEPS * ACCUMULATE, SEQ_LEN, 128, seed=0)
     first = data.tokens[ranks[0]["steps"][0]["indices"]]
     with torch.no_grad():
-        fresh = _loss(build_tiny_mixtral(seed=1), first).item()
+        fresh = lm_loss(build_tiny_mixtral(seed=1), first).item()
     assert ranks[0]["steps"][0]["loss"] == pytest.approx(ref[0][0], rel=1e-6)
     assert abs(fresh - ref[0][0]) > 1e-3, "the check could not tell loaded weights from a fresh init"
     for r in (0, 1):

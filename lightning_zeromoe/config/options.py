@@ -8,15 +8,20 @@ JSON path, or ``PL_DEEPSPEED_CONFIG_PATH``). What can be refused without a model
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from lightning_zeromoe.config.deepspeed import ZeroOptions, load_user_config
 from lightning_zeromoe.config.keywords import CONFIG_ENV_VAR, LightningKeywords, config_source, split_keywords
 from lightning_zeromoe.config.resolve import effective_ep_size, effective_grouped_experts
+from lightning_zeromoe.config.validation import ZeroMoEConfigError
 from lightning_zeromoe.discovery.find import MoEPattern
 from lightning_zeromoe.knowledge import say
+
+if TYPE_CHECKING:
+    from lightning_zeromoe.planner.plan_for import CountedModel, PlanFor
 
 
 @dataclass(frozen=True)
@@ -33,16 +38,20 @@ class StrategySettings:
     moe_pattern: MoEPattern | None
     #: An info line to log (the config came from ``PL_DEEPSPEED_CONFIG_PATH``), or None.
     note: str | None = None
+    #: ``plan_for=``: the model ``configure_model`` will build, counted on the meta device
+    #: (:mod:`lightning_zeromoe.planner.plan_for`); ``stage="auto"`` plans from it before it is built.
+    plan_for: "CountedModel | None" = None
 
 
 def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts: bool, offload_optimizer: bool,
                       offload_parameters: bool, config: str | Path | Mapping[str, Any] | None,
                       moe_pattern: MoEPattern | Mapping[str, Any] | None, lightning_keywords: Mapping[str, Any],
-                      **zero: Any) -> StrategySettings:
+                      plan_for: "PlanFor | None" = None, **zero: Any) -> StrategySettings:
     """``zero``: the remaining :class:`ZeroOptions` fields (buckets, thresholds, flags), as passed."""
     if isinstance(stage, str) and stage != "auto":
         raise ValueError(say("strategy-argument-invalid", "stage", "valid-stage", stage=stage))
     auto_stage = stage == "auto"
+    counted = _count_plan_for(plan_for, stage) if plan_for is not None else None
     ints = {k: int(v) for k, v in zero.items() if k.endswith(("_size", "_threshold"))}
     options = ZeroOptions(stage=3 if auto_stage else int(stage), ep_size=1 if ep_size is None else ep_size,
                           offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
@@ -56,7 +65,22 @@ def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts:
     return StrategySettings(
         options=options, auto_stage=auto_stage, ep_size_given=ep_size is not None, keywords=keywords,
         user_config=user_config, moe_pattern=MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern,
-        note=f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}" if from_env else None)
+        note=f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}" if from_env else None,
+        plan_for=counted)
+
+
+def _count_plan_for(plan_for: "PlanFor", stage: int | str) -> "CountedModel":
+    """``plan_for``'s model counted on the meta device; refused without ``stage="auto"`` or when unreadable."""
+    if stage != "auto":
+        shown = os.fspath(plan_for) if isinstance(plan_for, (str, os.PathLike)) else type(plan_for).__name__
+        raise ZeroMoEConfigError(say("plan-for-invalid", "without-auto", "use-auto", plan_for=shown, stage=stage))
+    from lightning_zeromoe.planner.cli import PlannerInputError
+    from lightning_zeromoe.planner.plan_for import count_plan_for
+
+    try:
+        return count_plan_for(plan_for)
+    except PlannerInputError as err:
+        raise ZeroMoEConfigError(str(err)) from None
 
 
 __all__ = ["StrategySettings", "strategy_settings"]

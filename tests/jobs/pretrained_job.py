@@ -17,6 +17,12 @@ Recorded per rank, from the live objects:
 * ``audit``: how many optimizer steps the gradient audit counted, and at which micro-batch
   (``batch_idx``) it produced its report.
 
+* ``engine``: at the start of training, the engine's ZeRO stage and how many of its parameters
+  carry ZeRO-3's ``ds_id``; ``stage_lines``: rank 0's logged lines about the stage.
+
+``--stage auto --plan-for DIR`` runs ``ZeroMoEStrategy(stage="auto", plan_for=DIR)`` instead of ZeRO-3
+(``tests/test_plan_for.py``).
+
     python tests/jobs/pretrained_job.py --pretrained DIR --out OUT [--steps 3 --accumulate 2]
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,7 +93,13 @@ class PretrainedModule(L.LightningModule):
                       "partition": int(p.ds_tensor.numel()) if hasattr(p, "ds_tensor") else None,
                       "materialised": int(p.data.numel())} for n, p in self.model.named_parameters()}
         self.load_report = {"params": params, "largest_slice_copied": largest[0], "expert_rows": rows,
-                            "zero3_partitioned": all(hasattr(p, "ds_id") for p in self.model.parameters())}
+                            "zero3_partitioned": all(hasattr(p, "ds_id") for p in self.model.parameters()),
+                            "with_ds_id": sum(hasattr(p, "ds_id") for p in self.model.parameters())}
+
+    def on_train_start(self) -> None:
+        engine = self.trainer.strategy.deepspeed_engine
+        self.engine_facts = {"zero_stage": int(engine.zero_optimization_stage()),
+                             "with_ds_id": sum(hasattr(p, "ds_id") for p in engine.module.parameters())}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
@@ -108,6 +121,18 @@ class PretrainedModule(L.LightningModule):
         return DataLoader(data, batch_size=self.batch_size, shuffle=False, drop_last=True)
 
 
+class StageLines(logging.Handler):
+    """Rank 0's logged lines that mention the ZeRO stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "stage" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pretrained", required=True)
@@ -116,13 +141,21 @@ def main() -> int:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--audit-steps", type=int, default=2)
+    parser.add_argument("--stage", default="3", help="a ZeRO stage or 'auto'")
+    parser.add_argument("--plan-for", help="plan_for= for stage 'auto'")
     args = parser.parse_args()
+    from lightning.pytorch.utilities.rank_zero import rank_zero_module  # the module rank_zero_info logs through
+
+    stage_lines = StageLines()
+    rank_zero_module.log.addHandler(stage_lines)
 
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.pretrained).vocab_size
     module = PretrainedModule(args.pretrained, args.batch_size, args.batch_size * 2 * args.steps * args.accumulate, vocab)
-    strategy = ZeroMoEStrategy(ep_size=2, param_persistence_threshold=0, grad_audit_steps=args.audit_steps)
+    stage = args.stage if args.stage == "auto" else int(args.stage)
+    strategy = ZeroMoEStrategy(ep_size=2, stage=stage, plan_for=args.plan_for, param_persistence_threshold=0,
+                               grad_audit_steps=args.audit_steps)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, max_epochs=1,
                         accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -133,7 +166,8 @@ def main() -> int:
     audit = strategy.pitfalls.audit
     report = {
         "rank": trainer.global_rank, "global_step": int(trainer.global_step),
-        "load": module.load_report, "steps": module.records,
+        "load": module.load_report, "steps": module.records, "engine": module.engine_facts,
+        "stage_lines": stage_lines.lines,
         "autoep_layers": [[int(m.num_experts), int(m.num_local_experts), int(m.ep_size)] for m in layers],
         "audit": {"optimizer_steps_counted": None if audit is None else audit.done,
                   "reported_at_batch_idx": module.audit_reported_at,
