@@ -365,7 +365,7 @@ def mixtral_report(num_gpus: int = 8, gpu_memory_gb: float = 80, ep_sizes: tuple
                  precision="bf16", ep_size=ep, micro_batch=micro_batch, seq_len=seq_len,
                  hidden_size=cfg["hidden_size"], num_layers=cfg["num_layers"], num_heads=cfg["num_heads"],
                  ffn_hidden_size=cfg["ffn_hidden_size"], top_k=2, vocab_size=cfg["vocab_size"],
-                 activation_checkpointing=True)
+                 num_experts=cfg["num_experts"], activation_checkpointing=True)
         lines += [f"### ep_size={ep} (GB per GPU; activations {_gb(p.activations.total)} GB for micro-batch "
                   f"{micro_batch} x {seq_len} tokens with activation checkpointing, buckets {_gb(p.buffer_bytes)} GB)",
                   "", p.table(), "", "Recommendation: " + p.recommend().reason, ""]
