@@ -10,7 +10,7 @@ import pytest
 
 from lightning_zeromoe.planner import GB, ParamCounts, choose_stage, plan
 from lightning_zeromoe.planner.comm import CommShape, predict
-from lightning_zeromoe.planner.plan import choose_setup
+from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
 from lightning_zeromoe.planner.setups import LADDER, Setup
 from lightning_zeromoe.planner.step_time import (Hardware, Link, ModelShape, bus_factor, flops_per_token,
                                                  predict_step_time, spans_nodes)
@@ -148,3 +148,31 @@ def test_choose_stage_never_offloads_and_choose_setup_picks_ep_size_by_time():
         p = plan(num_gpus=8, gpus_per_node=4, ep_size=e, gpu_memory_bytes=80 * GB, **common)
         times[e] = min(p.step_times[s].total for s in LADDER if p.fits(s) and not s.offload_optimizer)
     assert ep == min(times, key=times.get) and f"ep_size={ep}, stage={stage}" in why
+
+
+def test_ep_size_auto_on_the_strategy(caplog):
+    """``ZeroMoEStrategy(ep_size="auto", stage="auto")`` on 2 CPU ranks runs what the planner predicts
+    fastest for the tiny model (candidates 1 and 2: both divide its 4 experts and the world), and
+    logs why; the stage is the one ``choose_stage`` answers at that ep_size."""
+    import logging
+    import os
+
+    from support.modules import prepared
+
+    from lightning_zeromoe.reference.models import TinyMoEModule
+
+    module = TinyMoEModule()
+    with caplog.at_level(logging.INFO):
+        strategy = prepared(module, ep_size="auto", stage="auto")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    precision = str(strategy.precision_plugin.precision)
+    stage, ep, _ = choose_setup(module, 2, 2, [1, 2], memory, precision)
+    assert (strategy.resolved.ep_size, strategy.resolved.stage) == (ep, stage)
+    assert choose_ep_size(module, [4, 4], 2, 2, memory, precision)[0] == ep
+    assert "ep_size='auto'" in caplog.text and f"ep_size={ep}, stage={stage} chosen by the planner" in caplog.text
+    # With a fixed stage, the fastest ep_size where that stage fits.
+    fixed = prepared(TinyMoEModule(), ep_size="auto", stage=3)
+    assert fixed.resolved.stage == 3
+    times = {e: plan(module, num_gpus=2, ep_size=e, gpu_memory_bytes=memory, precision=precision).step_times[LADDER[2]]
+             .total for e in (1, 2)}
+    assert fixed.resolved.ep_size == min(times, key=lambda e: (times[e], e))

@@ -315,36 +315,6 @@ def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: in
     return 3, f"stage=3 chosen, but the planner finds no setup that fits. {rec.reason}"
 
 
-def choose_setup(model: Any, world_size: int, devices_per_node: int, ep_sizes: list[int], device_memory_bytes: float,
-                 precision: str = "bf16", allow_inter_node_ep: bool = False,
-                 **plan_kwargs: Any) -> tuple[int, int, str]:
-    """``ep_size="auto"`` with ``stage="auto"``: (stage, ep_size, why) of the fastest on-device setup
-    that fits over the candidate ``ep_sizes`` (those above ``devices_per_node`` only with
-    ``allow_inter_node_ep``); ties: the lower stage, then the smaller ep_size. Falls back to
-    :func:`choose_stage`'s answer at the largest candidate when nothing fits on the device."""
-    candidates = [e for e in ep_sizes if allow_inter_node_ep or e <= devices_per_node] or [min(ep_sizes)]
-    found = []
-    for ep in candidates:
-        p = plan(model, num_gpus=world_size, gpus_per_node=devices_per_node, ep_size=ep,
-                 gpu_memory_bytes=device_memory_bytes, precision=precision, **plan_kwargs)
-        rec = p.recommend(on_device_only=True)
-        if rec.setup is not None:
-            found.append((p.step_times[rec.setup].total, rec.setup, ep, p, rec))
-    if not found:
-        stage, why = choose_stage(model, world_size, devices_per_node, max(candidates), device_memory_bytes,
-                                  precision, **plan_kwargs)
-        return stage, max(candidates), f"ep_size={max(candidates)}: nothing fits on the device at any ep_size. {why}"
-    best = min(found, key=lambda f: (f[0], f[1], f[2]))
-    _, setup, ep, p, rec = best
-    others = sorted((f for f in found if f is not best), key=lambda f: (f[0], f[1], f[2]))
-    why = f"ep_size={ep}, stage={setup.stage} chosen by the planner from ep_size in {candidates}. {rec.reason}"
-    if others:
-        t, s2, ep2, p2, _ = others[0]
-        why += (f" Best at another ep_size: ep_size={ep2} {s2.label}, {_gb(p2.device_bytes(s2))} GB, "
-                f"{format_seconds(t)}.")
-    return setup.stage, ep, why
-
-
 # ---------------------------------------------------------------------------------------- reports
 
 #: The seeds' arithmetic (16 bytes per parameter, and ZeRO-1 "~1/4", ZeRO-2 "~1/8", ZeRO-3 "1/N").
