@@ -10,7 +10,7 @@ Method, in one launch (``torch.distributed.run``, gloo):
 1. Links: each collective DeepSpeed uses (``deepspeed.comm``'s ``all_reduce``,
    ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``) is timed at
    4 KB and at 4, 16 and 32 MB (median of ``--link-repeats`` calls after one warm-up; every rank
-   calls at once). Latency: the 4 KB time. Bus bandwidth: least squares of
+   calls at once), on the world group and on groups of each smaller size (4 ranks: pairs). Latency: the 4 KB time. Bus bandwidth: least squares of
    ``bytes * factor`` against ``time - latency`` over the large sizes (factor as in
    ``nccl-tests``: ``2(n-1)/n`` all-reduce, ``(n-1)/n`` the others).
 2. Compute: every rank at once times a 384 x 384 fp32 matmul (FLOP/s per rank while all ranks
@@ -78,36 +78,48 @@ def _timed(fn: Any, repeats: int) -> float:
     return float(t)
 
 
-def measure_links(repeats: int) -> dict[str, dict[str, float]]:
+def measure_links(repeats: int) -> dict[str, dict[str, Any]]:
+    """Latency and bus bandwidth per collective, on the world group (key ``name``) and on groups of
+    every smaller size > 1 that divides the world (``name/size``: consecutive ranks, all groups at
+    once, as the expert-parallel groups run)."""
     import deepspeed.comm as dscomm
 
     world = dist.get_world_size()
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     if world == 1:  # nothing travels (the --calibrate run)
         return {name: {"latency": 0.0, "bandwidth": float("inf"), "points": []}
                 for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        points = []
-        for nbytes in SIZES:
-            n = max(world, nbytes // 4 // world * world)
-            full = torch.ones(n)
-            part = torch.ones(n // world)
-            if name == "all_reduce":
-                def fn() -> None: dscomm.all_reduce(full)
-            elif name == "all_gather":
-                def fn() -> None: dscomm.all_gather_into_tensor(full, part)
-            elif name == "reduce_scatter":
-                def fn() -> None: dscomm.reduce_scatter_tensor(part, full)
-            else:
-                out_t = torch.empty(n)
-                def fn() -> None: dscomm.all_to_all_single(out_t, full)
-            points.append((n * 4, _timed(fn, repeats)))
-        latency = points[0][1]
-        xs = [b * bus_factor(name, world) for b, _ in points[1:]]
-        ys = [max(t - latency, 1e-9) for _, t in points[1:]]
-        seconds_per_byte = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-        out[name] = {"latency": latency, "bandwidth": 1 / seconds_per_byte,
-                     "points": [[b, t] for b, t in points]}
+    sizes = [g for g in range(2, world + 1) if world % g == 0]
+    groups: dict[int, Any] = {world: None}
+    for g in sizes[:-1]:
+        for start in range(0, world, g):
+            group = dist.new_group(list(range(start, start + g)))
+            if start <= dist.get_rank() < start + g:
+                groups[g] = group
+    for g in sizes:
+        group = groups[g]
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            points = []
+            for nbytes in SIZES:
+                n = max(g, nbytes // 4 // g * g)
+                full = torch.ones(n)
+                part = torch.ones(n // g)
+                if name == "all_reduce":
+                    def fn() -> None: dscomm.all_reduce(full, group=group)
+                elif name == "all_gather":
+                    def fn() -> None: dscomm.all_gather_into_tensor(full, part, group=group)
+                elif name == "reduce_scatter":
+                    def fn() -> None: dscomm.reduce_scatter_tensor(part, full, group=group)
+                else:
+                    out_t = torch.empty(n)
+                    def fn() -> None: dscomm.all_to_all_single(out_t, full, group=group)
+                points.append((n * 4, _timed(fn, repeats)))
+            latency = points[0][1]
+            xs = [b * bus_factor(name, g) for b, _ in points[1:]]
+            ys = [max(t - latency, 1e-9) for _, t in points[1:]]
+            seconds_per_byte = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+            key = name if g == world else f"{name}/{g}"
+            out[key] = {"latency": latency, "bandwidth": 1 / seconds_per_byte, "points": [[b, t] for b, t in points]}
     return out
 
 
@@ -252,7 +264,7 @@ def main() -> int:
     if rank == 0:
         print(f"{world} ranks, load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
         for k, v in links.items():
-            print(f"  {k:15s} latency {v['latency'] * 1e3:7.2f} ms  bus bandwidth {v['bandwidth'] / 1e9:6.3f} GB/s")
+            print(f"  {k:17s} latency {v['latency'] * 1e3:7.2f} ms  bus bandwidth {v['bandwidth'] / 1e9:6.3f} GB/s")
         print(f"  matmul {compute['flops_per_second'] / 1e9:.2f} GFLOP/s per rank, AdamW "
               f"{compute['update_params_per_second'] / 1e6:.1f} M updates/s per rank", flush=True)
     names = [n for n in args.setups.split(",") if n]

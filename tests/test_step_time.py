@@ -64,6 +64,9 @@ def test_comm_time_is_bytes_over_bandwidth_per_group():
     # Measured links per collective replace the intra-node link (gloo on CPU), not the inter-node one.
     gloo = Hardware(intra=Link(1e9, 0.0), collective_links=(("all_gather", Link(1e8, 0.0)),))
     assert predict_step_time(shape, gloo, gpus_per_node=2).comm[("all_gather", "world")] == pytest.approx(2e6 / 1e8)
+    by_size = Hardware(intra=Link(1e9, 0.0), collective_links=(("all_gather", Link(1e8, 0.0)),
+                                                               ("all_gather/2", Link(1e7, 0.0))))
+    assert predict_step_time(shape, by_size, gpus_per_node=2).comm[("all_gather", "world")] == pytest.approx(2e6 / 1e7)
     assert [bus_factor(c, 4) for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")] \
         == [1.5, 0.75, 0.75, 0.75, 1.0]
 

@@ -103,14 +103,16 @@ class Hardware:
     zero3_module_seconds: float = 50e-6
     #: Fraction (0..1) of gradient-reduction time hidden behind backward; 0 = serial sum.
     overlap: float = 0.0
-    #: Links measured per collective (``"all_reduce"``, ``"all_gather"``, ...), used instead of
-    #: ``intra`` for groups inside one node: for a backend whose collectives differ (gloo on CPU).
+    #: Links measured per collective (``"all_reduce"``, ``"all_gather"``, ...), or per collective and
+    #: group size (``"all_to_all/2"``, preferred when present), used instead of ``intra`` for groups
+    #: inside one node: for a backend whose collectives differ (gloo on CPU).
     collective_links: tuple[tuple[str, Link], ...] = ()
 
-    def link(self, collective: str, spans_nodes: bool) -> Link:
+    def link(self, collective: str, spans_nodes: bool, ranks: int = 0) -> Link:
         if spans_nodes:
             return self.inter
-        return dict(self.collective_links).get(collective, self.intra)
+        links = dict(self.collective_links)
+        return links.get(f"{collective}/{ranks}", links.get(collective, self.intra))
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,7 @@ def predict_step_time(shape: CommShape, hardware: Hardware = Hardware(), *, mode
     for (collective, group), nbytes in prediction.bytes.items():
         n = _group_size(group, shape.world, shape.ep_size)
         spans = spans_nodes(group, shape.world, shape.ep_size, per_node)
-        link = hardware.link(collective, spans)
+        link = hardware.link(collective, spans, n)
         count = calls.get((collective, group), 1) if n > 1 else 0
         seconds = nbytes * bus_factor(collective, n) / link.bandwidth + count * link.latency
         comm[(collective, group)] = seconds
