@@ -73,7 +73,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             that layer anyway.
         stage: ZeRO stage, 3 by default (parameters, gradients and optimizer states sharded), or
             ``"auto"``: once the model exists, :func:`lightning_zeromoe.planner.choose_stage` picks
-            the lowest stage whose model states fit the device memory and logs why. A model built
+            the stage predicted fastest among those whose memory fits the device (ties: the lower
+            stage; :mod:`lightning_zeromoe.planner.step_time`) and logs why. A model built
             under ``zero.Init`` in ``configure_model`` is already sharded, so ``"auto"`` keeps stage 3
             for it. A ``zero_optimization.stage`` in ``config`` wins over both. Stages 1 and 2 split
             the optimizer from ``configure_optimizers`` into MoE and non-MoE param groups.
@@ -310,7 +311,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                                              offload_parameters=self.options.offload_parameters)
 
     def _choose_stage(self, module: Module, ep_size: int) -> tuple[int, str]:
-        """``stage="auto"``: the lowest ZeRO stage whose model states fit, from the memory planner."""
+        """``stage="auto"``: the ZeRO stage predicted fastest among those that fit, from the planner."""
         from lightning_zeromoe.planner import choose_stage
 
         return choose_stage(module, world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
