@@ -9,6 +9,7 @@ processes (gloo) and GPUs (NCCL).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -63,7 +64,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             ``deepspeed.moe.layer.MoE`` layers, the ``ep_size`` they were built with (logged once).
             Native layers set their expert parallelism themselves (``MoE(..., ep_size=N)``): the
             strategy writes no AutoEP section for them and refuses an ``ep_size`` other than theirs
-            (:mod:`lightning_zeromoe.config.native_moe`).
+            (:mod:`lightning_zeromoe.config.native_moe`). ``"auto"``: once the model exists,
+            :func:`lightning_zeromoe.planner.choose_ep_size` picks the divisor of the world size and
+            of every layer's expert count (inside one node) whose predicted step time is the
+            shortest where the stage fits (with ``stage="auto"``, stage and ep_size together).
         grouped_experts: At ``ep_size=1``, still replace each MoE block with AutoEP's layer
             (``autoep_size=1``: every rank holds every expert, no all-to-all), for its grouped-GEMM
             experts (``torch._grouped_mm``, bf16 on CUDA; elsewhere its per-expert loop): one GPU
@@ -73,7 +77,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             that layer anyway.
         stage: ZeRO stage, 3 by default (parameters, gradients and optimizer states sharded), or
             ``"auto"``: once the model exists, :func:`lightning_zeromoe.planner.choose_stage` picks
-            the lowest stage whose model states fit the device memory and logs why. A model built in
+            the stage predicted fastest among those whose memory fits the device (ties: the lower
+            stage; :mod:`lightning_zeromoe.planner.step_time`) and logs why. A model built in
             ``configure_model`` does not exist yet when ``zero.Init`` is entered: with ``plan_for``
             the stage is planned from it first, and the model is built under ``zero.Init`` only if
             that stage is 3; without, it is built under ``zero.Init`` and keeps stage 3 (logged).
@@ -132,7 +137,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     def __init__(
         self,
-        ep_size: int | None = None,
+        ep_size: int | str | None = None,
         stage: int | str = 3,
         *,
         grouped_experts: bool = False,
@@ -167,6 +172,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if settings.note:
             rank_zero_info(settings.note)
         self.options, self.auto_stage, self.ep_size_given = settings.options, settings.auto_stage, settings.ep_size_given
+        self.auto_ep = settings.auto_ep
         self.keywords, self.user_config, self.moe_pattern = settings.keywords, settings.user_config, settings.moe_pattern
         #: ``plan_for=``'s model counted on the meta device (``CountedModel``), or None.
         self.plan_for = settings.plan_for
@@ -307,6 +313,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             lightning_private.rebuild_config(self)
             return
         self.discovery = discover(module, self.moe_pattern)
+        if self.auto_ep:
+            self._choose_ep_size(module)
         world = World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                       on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
                       accumulate_grad_batches=self._accumulate_grad_batches())
@@ -327,12 +335,24 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                                              offload_parameters=self.options.offload_parameters)
 
     def _choose_stage(self, module: Module, ep_size: int) -> tuple[int, str]:
-        """``stage="auto"``: the lowest ZeRO stage whose model states fit, from the memory planner."""
+        """``stage="auto"``: the ZeRO stage predicted fastest among those that fit, from the planner."""
         from lightning_zeromoe.planner import choose_stage
 
         return choose_stage(module, world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                             ep_size=ep_size, device_memory_bytes=self._device_memory_bytes(),
                             precision=str(self.precision_plugin.precision))
+
+    def _choose_ep_size(self, module: Module) -> None:
+        """``ep_size="auto"``: the planner's fastest ep_size that fits (with the stage, or with
+        ``stage="auto"`` jointly), logged with why; a config's ``autoep_size`` still wins in resolve."""
+        from lightning_zeromoe.planner import choose_ep_size
+
+        ep_size, why = choose_ep_size(
+            module, [b.num_experts for b in self.discovery.blocks], world_size=self.num_nodes * self.num_processes,
+            devices_per_node=self.num_processes, device_memory_bytes=self._device_memory_bytes(),
+            precision=str(self.precision_plugin.precision), stage=None if self.auto_stage else self.options.stage)
+        self.options = dataclasses.replace(self.options, ep_size=ep_size)
+        self._once.info(f"ZeroMoEStrategy(ep_size='auto'): {why}")
 
     def _device_memory_bytes(self) -> float:
         """Memory per device: the GPU's, or on CPU this host's RAM shared by its processes."""

@@ -41,9 +41,11 @@ class StrategySettings:
     #: ``plan_for=``: the model ``configure_model`` will build, counted on the meta device
     #: (:mod:`lightning_zeromoe.planner.plan_for`); ``stage="auto"`` plans from it before it is built.
     plan_for: "CountedModel | None" = None
+    #: ``ep_size="auto"``: the planner picks the expert-parallel size once the model exists.
+    auto_ep: bool = False
 
 
-def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts: bool, offload_optimizer: bool,
+def strategy_settings(*, ep_size: int | str | None, stage: int | str, grouped_experts: bool, offload_optimizer: bool,
                       offload_parameters: bool, config: str | Path | Mapping[str, Any] | None,
                       moe_pattern: MoEPattern | Mapping[str, Any] | None, lightning_keywords: Mapping[str, Any],
                       plan_for: "PlanFor | None" = None, **zero: Any) -> StrategySettings:
@@ -51,6 +53,9 @@ def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts:
     if isinstance(stage, str) and stage != "auto":
         raise ValueError(say("strategy-argument-invalid", "stage", "valid-stage", stage=stage))
     auto_stage = stage == "auto"
+    auto_ep = ep_size == "auto"
+    if auto_ep:
+        ep_size = None  # 1 until the planner has seen the model (ZeroMoEStrategy.prepare)
     counted = _count_plan_for(plan_for, stage) if plan_for is not None else None
     ints = {k: int(v) for k, v in zero.items() if k.endswith(("_size", "_threshold"))}
     options = ZeroOptions(stage=3 if auto_stage else int(stage), ep_size=1 if ep_size is None else ep_size,
@@ -66,7 +71,7 @@ def strategy_settings(*, ep_size: int | None, stage: int | str, grouped_experts:
         options=options, auto_stage=auto_stage, ep_size_given=ep_size is not None, keywords=keywords,
         user_config=user_config, moe_pattern=MoEPattern(**moe_pattern) if isinstance(moe_pattern, Mapping) else moe_pattern,
         note=f"ZeroMoEStrategy: loading your DeepSpeed config from {CONFIG_ENV_VAR}={source}" if from_env else None,
-        plan_for=counted)
+        plan_for=counted, auto_ep=auto_ep)
 
 
 def _count_plan_for(plan_for: "PlanFor", stage: int | str) -> "CountedModel":

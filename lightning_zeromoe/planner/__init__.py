@@ -34,15 +34,19 @@ iterated with ``named_parameters()``), so ``python -m lightning_zeromoe.planner`
 
 Where things are: :mod:`.setups` (precisions, the stage x offload ladder), :mod:`.counts` (dense vs
 expert parameters), :mod:`.memory` (per-rank model states, activations), :mod:`.plan` (the table,
-the recommendation, ``stage="auto"``), :mod:`.comm` (bytes per step by collective and group), and
+the recommendation, ``stage="auto"``, ``ep_size="auto"``), :mod:`.comm` (bytes per step by collective
+and group), :mod:`.step_time` (predicted seconds per step, by which the recommendation chooses), and
 :mod:`.cli` (``python -m lightning_zeromoe.planner``, also from a Hugging Face config).
 """
 
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, estimate_activations
+from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
 from lightning_zeromoe.planner.plan import Plan, Recommendation, choose_stage, mixtral_report, plan, seed_estimate
+from lightning_zeromoe.planner.step_time import Hardware, Link, StepTime, predict_step_time
 from lightning_zeromoe.planner.setups import GB, GIB, LADDER, Setup, normalize_precision
 
 __all__ = ["GB", "GIB", "LADDER", "MIXTRAL_8X7B", "ActivationEstimate", "ParamCounts", "Plan", "Recommendation", "Setup",
-           "StateEstimate", "choose_stage", "count_params", "estimate_activations", "is_expert_param",
+           "StateEstimate", "choose_stage", "choose_ep_size", "choose_setup", "Hardware", "Link", "StepTime",
+           "predict_step_time", "count_params", "estimate_activations", "is_expert_param",
            "mixtral_report", "moe_transformer_counts", "normalize_precision", "plan", "seed_estimate"]

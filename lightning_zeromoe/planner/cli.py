@@ -26,6 +26,7 @@ from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import ParamCounts, count_params, is_expert_param
 from lightning_zeromoe.planner.plan import Plan, mixtral_report, plan
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
+from lightning_zeromoe.planner.step_time import format_seconds
 
 #: Config attributes that name the number of routed experts / experts per token, by model family.
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -58,6 +59,8 @@ class ModelFacts:
     moe_layers: int
     #: (elements, is_expert, module) per trainable parameter tensor, in the model's order (ZeRO-3's reuse distance).
     param_order: tuple[tuple[int, bool, str], ...] = ()
+    #: Size of one attention head (``head_dim``, or hidden / heads): attention FLOPs use heads x head_dim.
+    head_dim: int = 0
 
 
 def load_config(config_path: str | None = None, model_type: str | None = None) -> Any:
@@ -117,7 +120,9 @@ def model_facts(config: Any) -> ModelFacts:
                       num_heads=first(("num_attention_heads",)), expert_ffn=first(EXPERT_FFN_KEYS),
                       vocab_size=first(("vocab_size",)), moe_layers=moe_layers,
                       param_order=tuple((p.numel(), is_expert_param(n), n.rpartition(".")[0])
-                                        for n, p in model.named_parameters() if p.requires_grad))
+                                        for n, p in model.named_parameters() if p.requires_grad),
+                      head_dim=getattr(text, "head_dim", None) or first(("hidden_size", "d_model"))
+                      // first(("num_attention_heads",)))
 
 
 def _transformers_version() -> str:
@@ -134,6 +139,7 @@ class Row:
     setup: Setup
     plan: Plan
     comm: Any  # comm_model.CommPrediction
+    time: Any = None  # step_time.StepTime
 
     @property
     def states(self) -> float:
@@ -151,8 +157,10 @@ def valid_ep_sizes(num_experts: int, num_gpus: int) -> list[int]:
 def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
     """Every ladder setup at every valid ep_size (or the one asked for)."""
     from lightning_zeromoe.planner.comm import CommShape, predict
+    from lightning_zeromoe.planner.step_time import ModelShape, predict_step_time
 
     gpus_per_node = args.gpus_per_node or args.gpus
+    hardware = hardware_from(args)
     if args.ep_size is not None:
         if args.gpus % args.ep_size or facts.num_experts % args.ep_size:
             raise PlannerInputError(say("ep-size-divisibility", "planner", ep_size=args.ep_size,
@@ -177,17 +185,33 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
                               reduce_bucket_size=args.bucket_size, allgather_bucket_size=args.bucket_size,
                               activation_checkpointing=args.activation_checkpointing,
                               param_order=facts.param_order or None)
-            rows.append(Row(ep, setup, p, predict(shape)))
+            comm = predict(shape)
+            rows.append(Row(ep, setup, p, comm, predict_step_time(
+                shape, hardware, model=ModelShape(attention_layers=facts.num_layers, seq_len=args.seq_len,
+                                                  attention_width=facts.num_heads * facts.head_dim),
+                gpus_per_node=gpus_per_node, offload_optimizer=setup.offload_optimizer,
+                offload_parameters=setup.offload_parameters, prediction=comm)))
     return rows
 
 
-def recommend(rows: list[Row], gpus_per_node: int) -> Row | None:
-    """The least aggressive setup that fits at any ep_size; among equals, an all-to-all inside one
-    node first, then the fewest predicted bytes on the wire per step."""
+def recommend(rows: list[Row], gpus_per_node: int, inter_node_ep: bool = False) -> Row | None:
+    """The fastest setup that fits (predicted step time) at an ep_size whose all-to-all stays inside
+    a node (any ep_size with ``inter_node_ep``, or when none inside a node fits); ties: the less
+    aggressive setup, then the smaller ep_size."""
+    ranked = ranked_fitting(rows, gpus_per_node, inter_node_ep)
+    return ranked[0] if ranked else None
+
+
+def ranked_fitting(rows: list[Row], gpus_per_node: int, inter_node_ep: bool = False) -> list[Row]:
+    """Setups that fit, fastest first (see :func:`recommend`)."""
     fitting = [r for r in rows if r.plan.fits(r.setup)]
+    if not inter_node_ep and any(r.ep_size <= gpus_per_node for r in fitting):
+        fitting = [r for r in fitting if r.ep_size <= gpus_per_node]
     if not fitting:
-        return None
-    return min(fitting, key=lambda r: (r.setup, r.ep_size > gpus_per_node, r.comm.total, -r.ep_size))
+        return []
+    best = min(r.time.total for r in fitting)
+    return sorted(fitting, key=lambda r: (max(best * (1 + 1e-9), r.time.total), r.setup,
+                                          r.ep_size > gpus_per_node, r.ep_size))
 
 
 def table(rows: list[Row]) -> str:
@@ -195,7 +219,7 @@ def table(rows: list[Row]) -> str:
     (gradient reductions, parameter gathers, AutoEP's all-to-all; the total adds the few bytes of
     norms and flags). Offload rows appear for an ep_size only when no on-device setup fits there."""
     out = ["| ep_size | setup | model states | + act. + buckets | fits | comm/step: grads | params | all-to-all "
-           "| total |", "|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+           "| total | step time |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for ep in sorted({r.ep_size for r in rows}):
         mine = [r for r in rows if r.ep_size == ep]
         on_device_fits = any(r.plan.fits(r.setup) for r in mine if not r.setup.offload_optimizer)
@@ -205,7 +229,7 @@ def table(rows: list[Row]) -> str:
             k = r.comm.by_kind()
             out.append(f"| {ep} | {r.setup.label} | {r.states / GB:.1f} | {r.total / GB:.1f} | "
                        f"{'yes' if r.plan.fits(r.setup) else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
-                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} |")
+                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} | {format_seconds(r.time.total)} |")
     return "\n".join(out)
 
 
@@ -241,24 +265,52 @@ def report(facts: ModelFacts, args: argparse.Namespace) -> str:
              f"tokens, accumulation {args.accumulation}, activation checkpointing "
              f"{'on' if args.activation_checkpointing else 'off'}: activations {act.total / GB:.1f} GB, buckets "
              f"{rows[0].plan.buffer_bytes / GB:.1f} GB per GPU.", "", table(rows), ""]
-    best = recommend(rows, per_node)
-    if best is None:
+    inter = getattr(args, "allow_inter_node_ep", False)
+    ranked = ranked_fitting(rows, per_node, inter)
+    if not ranked:
         lines.append("Recommendation: nothing fits at any ep_size. " + rows[-1].plan.recommend().reason)
         return "\n".join(lines)
-    reason = best.plan.recommend().reason
-    same = [r for r in rows if r.setup == best.setup and r.plan.fits(r.setup)]
-    inside = best.ep_size <= per_node
-    why = (f" Among the ep_sizes where {best.setup.label} fits{' within one node' if inside else ''}, "
-           f"ep_size={best.ep_size} passes the fewest bytes to collectives per step ({best.comm.total / GB:.2f} GB "
-           "predicted)")
-    cheaper = [r for r in same if r.comm.total < best.comm.total]
-    if cheaper:
-        other = min(cheaper, key=lambda r: r.comm.total)
-        why += (f"; ep_size={other.ep_size} would pass fewer ({other.comm.total / GB:.2f} GB), but its all-to-all "
-                f"crosses nodes (more than {per_node} GPUs per node)")
-    lines += [f"Recommendation: ep_size={best.ep_size}, {reason}{why}.", "",
-              "from lightning_zeromoe import ZeroMoEStrategy", paste_lines(best, args)]
+    best = ranked[0]
+    t = best.time
+    why = (f"Recommendation: ep_size={best.ep_size}, {best.setup.label}: {best.total / GB:.1f} GB per GPU of "
+           f"{best.plan.usable_bytes / GB:.1f} GB usable, predicted step {format_seconds(t.total)} (compute "
+           f"{format_seconds(t.compute)}, comm {format_seconds(t.comm_total)}"
+           + (f", offload {format_seconds(t.offload)}" if t.offload else "") + ")")
+    if len(ranked) > 1:
+        other = ranked[1]
+        why += (f"; runner-up ep_size={other.ep_size}, {other.setup.label}: {other.total / GB:.1f} GB, "
+                f"{format_seconds(other.time.total)}")
+    why += (f". The fastest of {len(ranked)} setups that fit; links: {_link_text(args)}; no overlap of "
+            "communication with compute assumed (serial sum).")
+    crossing = ranked_fitting(rows, per_node, True)[0]
+    if crossing.ep_size > per_node and crossing is not best:
+        why += (f" ep_size={crossing.ep_size} ({crossing.setup.label}) is predicted faster "
+                f"({format_seconds(crossing.time.total)}), but its all-to-all crosses nodes (considered with "
+                "--allow-inter-node-ep).")
+    auto = [r for r in ranked if r.ep_size == best.ep_size and not r.setup.offload_optimizer]
+    if auto:
+        why += f' stage="auto" at ep_size={best.ep_size} picks ZeRO-{auto[0].setup.stage}.'
+    else:
+        why += (f' stage="auto" at ep_size={best.ep_size} picks ZeRO-3 and names the offload flag that fits '
+                "(it never turns offload on by itself).")
+    lines += [why, "", "from lightning_zeromoe import ZeroMoEStrategy", paste_lines(best, args)]
     return "\n".join(lines)
+
+
+def hardware_from(args: argparse.Namespace) -> Any:
+    """``Hardware`` with the command line's overrides (``--tflops``, ``--intra-gbps``, ``--inter-gbps``)."""
+    from lightning_zeromoe.planner.step_time import Hardware, Link
+
+    hw = Hardware()
+    return Hardware(flops_per_second=(getattr(args, "tflops", None) or hw.flops_per_second / 1e12) * 1e12,
+                    intra=Link((getattr(args, "intra_gbps", None) or hw.intra.bandwidth / 1e9) * 1e9, hw.intra.latency),
+                    inter=Link((getattr(args, "inter_gbps", None) or hw.inter.bandwidth / 1e9) * 1e9, hw.inter.latency))
+
+
+def _link_text(args: argparse.Namespace) -> str:
+    hw = hardware_from(args)
+    return (f"{hw.flops_per_second / 1e12:g} TFLOP/s per GPU, {hw.intra.bandwidth / 1e9:g} GB/s inside a node, "
+            f"{hw.inter.bandwidth / 1e9:g} GB/s between nodes")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -269,6 +321,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--bucket-size", type=int, default=50_000_000, help="ZeRO bucket sizes, elements")
+    parser.add_argument("--allow-inter-node-ep", action="store_true",
+                        help="let the recommendation pick an ep_size larger than the GPUs per node")
+    parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per GPU for the step time (default 400)")
+    parser.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default 450, NVLink)")
+    parser.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s (default 50, IB)")
 
 
 def run_hf(args: argparse.Namespace) -> int:
@@ -314,4 +371,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 __all__ = ["ModelFacts", "PlannerInputError", "Row", "add_arguments", "build_parser", "main", "load_config", "model_facts", "plan_all",
-           "recommend", "report", "run_hf", "valid_ep_sizes"]
+           "ranked_fitting", "recommend", "report", "run_hf", "valid_ep_sizes"]

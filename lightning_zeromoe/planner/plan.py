@@ -8,6 +8,7 @@ from typing import Any, Callable
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES, normalize_precision
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, _states, estimate_activations
+from lightning_zeromoe.planner.step_time import Hardware, StepTime, format_seconds
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Plan:
     host_memory_bytes: float | None
     requested: Setup | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: Predicted seconds per optimizer step for every setup (:mod:`~lightning_zeromoe.planner.step_time`).
+    step_times: dict[Setup, StepTime] = field(default_factory=dict)
 
     @property
     def usable_bytes(self) -> float:
@@ -66,41 +69,73 @@ class Plan:
             return self.estimates[setup].host * self.gpus_per_node <= self.host_memory_bytes
         return True
 
-    def recommend(self) -> Recommendation:
-        """The least aggressive setup that fits (stage 1 < 2 < 3 < offload), with the reason."""
+    def recommend(self, on_device_only: bool = False) -> Recommendation:
+        """The fastest setup that fits (predicted step time, :attr:`step_times`); among equal times
+        the least aggressive (stage 1 < 2 < 3 < offload). The reason gives its memory per GPU, its
+        predicted step time and the runner-up's. ``on_device_only``: offload setups are not candidates."""
         what = ("model states" + (" + activations" if self.activations else " (no activation estimate: "
                 "pass micro_batch and seq_len)") + " + buckets")
-        rejected = []
+        rejected, fitting = [], []
         for setup in sorted(self.estimates):
+            if on_device_only and setup.offload_optimizer:
+                continue
             need = self.device_bytes(setup)
             if self.fits(setup):
-                reason = (f"{setup.label}: {_gb(need)} GB per GPU ({what}) of {_gb(self.usable_bytes)} GB usable "
-                          f"({_gb(self.gpu_memory_bytes)} GB minus {self.headroom:.0%} headroom).")
-                if rejected:
-                    reason += " Less aggressive setups do not fit: " + "; ".join(rejected) + "."
-                else:
-                    reason += " It is the least aggressive setup, so nothing more is needed."
-                host = self.estimates[setup].host
-                if host:
-                    reason += (f" Offload keeps {_gb(host)} GB per GPU ({_gb(host * self.gpus_per_node)} GB per "
-                               f"node) in host memory; expect slower steps (PCIe traffic, CPU Adam).")
-                return Recommendation(setup, self.estimates[setup], reason + self._about_requested(setup))
-            if need > self.usable_bytes:
+                fitting.append(setup)
+            elif need > self.usable_bytes:
                 rejected.append(f"{setup.label} needs {_gb(need)} GB")
             else:
                 rejected.append(f"{setup.label} needs {_gb(self.estimates[setup].host * self.gpus_per_node)} GB "
                                 f"of host memory per node, more than {_gb(self.host_memory_bytes or 0)} GB")
-        return Recommendation(None, None, "Nothing fits: " + "; ".join(rejected) + ". Add GPUs, shorten the "
-                              "sequence or micro-batch, use activation checkpointing, or add host memory.")
+        if not fitting:
+            return Recommendation(None, None, "Nothing fits: " + "; ".join(rejected) + ". Add GPUs, shorten the "
+                                  "sequence or micro-batch, use activation checkpointing, or add host memory.")
+        ranked = fastest_first(fitting, self.step_times)
+        setup = ranked[0]
+        need = self.device_bytes(setup)
+        reason = (f"{setup.label}: {_gb(need)} GB per GPU ({what}) of {_gb(self.usable_bytes)} GB usable "
+                  f"({_gb(self.gpu_memory_bytes)} GB minus {self.headroom:.0%} headroom)")
+        if setup in self.step_times:
+            reason += f", predicted step {self.step_time_text(setup)}"
+        if len(ranked) > 1:
+            other = ranked[1]
+            reason += (f"; runner-up {other.label}: {_gb(self.device_bytes(other))} GB"
+                       + (f", {format_seconds(self.step_times[other].total)}" if other in self.step_times else ""))
+            if other in self.step_times and setup in self.step_times and \
+                    self.step_times[other].total <= self.step_times[setup].total * (1 + _TIE):
+                reason += " (a tie: the less aggressive setup wins)"
+            reason += "."
+        else:
+            reason += "; it is the only setup that fits."
+        if rejected:
+            reason += " Not fitting: " + "; ".join(rejected) + "."
+        host = self.estimates[setup].host
+        if host:
+            reason += (f" Offload keeps {_gb(host)} GB per GPU ({_gb(host * self.gpus_per_node)} GB per "
+                       f"node) in host memory; its PCIe traffic and CPU Adam time are in the step time.")
+        return Recommendation(setup, self.estimates[setup], reason + self._about_requested(setup))
+
+    def step_time_text(self, setup: Setup) -> str:
+        """``1.23 s (compute 0.80 s, comm 0.40 s, offload 0.03 s)``."""
+        t = self.step_times[setup]
+        parts = [f"compute {format_seconds(t.compute)}", f"comm {format_seconds(t.comm_total)}"]
+        if t.offload:
+            parts.append(f"offload {format_seconds(t.offload)}")
+        if t.zero3_host:
+            parts.append(f"ZeRO-3 host work {format_seconds(t.zero3_host)}")
+        return f"{format_seconds(t.total)} ({', '.join(parts)})"
 
     def _about_requested(self, best: Setup) -> str:
         req = self.requested
         if req is None or req == best:
             return ""
-        if req > best:
-            return (f" You asked for {req.label}: more aggressive than needed; it only adds communication"
-                    + (" and PCIe/CPU-Adam time" if req.offload_optimizer else "") + ".")
-        return f" You asked for {req.label}, which does not fit ({_gb(self.device_bytes(req))} GB)."
+        if not self.fits(req):
+            return f" You asked for {req.label}, which does not fit ({_gb(self.device_bytes(req))} GB)."
+        if req in self.step_times and best in self.step_times:
+            return (f" You asked for {req.label}: it fits, predicted {format_seconds(self.step_times[req].total)} "
+                    f"per step against {format_seconds(self.step_times[best].total)}"
+                    + (" (PCIe/CPU-Adam time included)" if req.offload_optimizer else "") + ".")
+        return f" You asked for {req.label}: it fits, but {best.label} is predicted faster."
 
     def table(self) -> str:
         """Markdown table, GB (10^9 bytes) per GPU."""
@@ -120,6 +155,53 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f}"
 
 
+#: Predicted times within this relative difference are a tie (then the less aggressive setup wins).
+_TIE = 1e-9
+
+
+def fastest_first(setups: list[Setup], times: dict[Setup, StepTime]) -> list[Setup]:
+    """Setups by predicted step time, ties (and setups without a prediction) by the ladder's order."""
+    if not all(s in times for s in setups):
+        return sorted(setups)
+    best = min(times[s].total for s in setups)
+    return sorted(setups, key=lambda s: (max(best * (1 + _TIE), times[s].total), s))
+
+
+def _step_times(model: Any, counts: ParamCounts, *, world: int, gpus_per_node: int, ep_size: int, precision: str,
+                top_k: int | None, hidden_size: int | None, num_layers: int | None, num_heads: int | None,
+                num_experts: int | None, micro_batch: int | None, seq_len: int | None, accumulation: int,
+                bucket_elements: int, activation_checkpointing: bool, hardware: Hardware,
+                moe_layers: int | None, is_expert: Callable[[str], bool]) -> dict[Setup, StepTime]:
+    """Predicted step time of every ladder setup (compute only when micro_batch and seq_len are given)."""
+    from lightning_zeromoe.planner.comm import CommShape
+    from lightning_zeromoe.planner.step_time import ModelShape, setup_step_time
+
+    cfg = getattr(model, "config", None)
+
+    def read(value: Any, *names: str) -> Any:
+        for name in names if value is None else ():
+            if isinstance(getattr(cfg, name, None), int):
+                return getattr(cfg, name)
+        return value
+
+    hidden = read(hidden_size, "hidden_size") or 0
+    layers = read(num_layers, "num_hidden_layers", "num_layers") or 0
+    order = None
+    if model is not None and counts.exact:
+        order = tuple((int(p.numel()), is_expert(n), n.rpartition(".")[0]) for n, p in model.named_parameters()
+                      if getattr(p, "requires_grad", True))
+    tokens = (micro_batch or 0) * (seq_len or 0)
+    shape = CommShape(counts=counts, stage=1, world=world, ep_size=ep_size, precision=precision,
+                      top_k=read(top_k, "num_experts_per_tok", "top_k") or 1, hidden_size=hidden,
+                      moe_layers=moe_layers if moe_layers is not None else layers,
+                      num_experts=num_experts or 0, tokens_per_micro_batch=tokens, accumulation=accumulation,
+                      reduce_bucket_size=bucket_elements or 50_000_000, allgather_bucket_size=bucket_elements or 50_000_000,
+                      activation_checkpointing=activation_checkpointing, param_order=order)
+    shapes = ModelShape(attention_layers=layers, seq_len=seq_len or 0)
+    del num_heads  # attention width = hidden size (heads x head size) for the models planned here
+    return {s: setup_step_time(shape, s, hardware, model=shapes, gpus_per_node=gpus_per_node) for s in LADDER}
+
+
 def plan(model: Any = None, *, dense_params: int | None = None, expert_params: int | None = None,
          num_gpus: int, gpus_per_node: int | None = None, gpu_memory_bytes: float,
          precision: str = "bf16", ep_size: int = 1, stage: int | None = None, offload_optimizer: bool = False,
@@ -129,7 +211,8 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          num_experts: int | None = None, flash_attention: bool = True, activation_checkpointing: bool = False,
          optimizer_bytes: int = 8, bucket_elements: int = 50_000_000, headroom: float = 0.10,
          host_memory_bytes: float | None = None, counts: ParamCounts | None = None,
-         is_expert: Callable[[str], bool] = is_expert_param) -> Plan:
+         is_expert: Callable[[str], bool] = is_expert_param, hardware: Hardware | None = None,
+         accumulation: int = 1, moe_layers: int | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -139,7 +222,9 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
     ``stage``/``offload_optimizer``/``offload_parameters`` name the setup you intend
     (``Plan.requested``); every setup is estimated regardless, and :meth:`Plan.recommend` says
     whether yours is more aggressive than needed, or does not fit. ``headroom`` is the fraction of
-    device memory kept free.
+    device memory kept free. ``hardware`` (default: H100/H200-class, :class:`Hardware`),
+    ``accumulation`` and ``moe_layers`` feed the predicted step time of every setup
+    (:attr:`Plan.step_times`), by which :meth:`Plan.recommend` chooses.
     """
     precision = normalize_precision(precision)
     if counts is None:
@@ -195,26 +280,34 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             activation_checkpointing=activation_checkpointing)
     p, g, _ = _PRECISION_BYTES[precision]
     buffers = bucket_elements * (p + g)  # one reduce bucket (gradients) + one gather/prefetch bucket
+    times = _step_times(model, counts, world=num_gpus, gpus_per_node=gpus_per_node, ep_size=ep_size,
+                        precision=precision, top_k=top_k, hidden_size=hidden_size, num_layers=num_layers,
+                        num_heads=num_heads, num_experts=num_experts, micro_batch=micro_batch, seq_len=seq_len,
+                        accumulation=accumulation, bucket_elements=bucket_elements,
+                        activation_checkpointing=activation_checkpointing, hardware=hardware or Hardware(),
+                        moe_layers=moe_layers, is_expert=is_expert)
     return Plan(counts=counts, num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
                 precision=precision, ep_size=ep_size, optimizer_bytes=optimizer_bytes, estimates=estimates,
                 activations=activations, buffer_bytes=float(buffers), headroom=headroom,
-                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes))
+                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes), step_times=times)
 
 
 def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: int, device_memory_bytes: float,
                  precision: str = "bf16", **plan_kwargs: Any) -> tuple[int, str]:
-    """For ``ZeroMoEStrategy(stage="auto")``: the lowest ZeRO stage whose model states (plus any
-    activation estimate the kwargs allow) fit, and why. Offload is never chosen silently: if even
-    stage 3 does not fit, the answer is 3 and the reason says which offload setting would. A model
-    built under ``zero.Init`` (in ``configure_model``) is already partitioned: it keeps stage 3."""
+    """For ``ZeroMoEStrategy(stage="auto")``: the ZeRO stage whose predicted step time is the
+    shortest among those whose memory fits (ties: the lower stage), and why (memory per rank,
+    predicted step time, the runner-up). Offload is never chosen silently: if no stage fits on the
+    device, the answer is 3 and the reason says which offload setting would. A model built under
+    ``zero.Init`` (in ``configure_model``) is already partitioned: it keeps stage 3."""
     if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
         return 3, ("stage=3: the model was built under zero.Init in configure_model and is already "
                    "partitioned, so a lower stage would first have to gather it whole on every rank.")
     result = plan(model, num_gpus=world_size, gpus_per_node=devices_per_node, ep_size=ep_size,
                   gpu_memory_bytes=device_memory_bytes, precision=precision, **plan_kwargs)
+    on_device = result.recommend(on_device_only=True)
+    if on_device.setup is not None:
+        return on_device.setup.stage, f"stage={on_device.setup.stage} chosen by the planner. {on_device.reason}"
     rec = result.recommend()
-    if rec.setup is not None and not rec.setup.offload_optimizer:
-        return rec.setup.stage, f"stage={rec.setup.stage} chosen by the memory planner. {rec.reason}"
     if rec.setup is not None:
         return 3, (f"stage=3 chosen, but it does not fit without offload; pass "
                    f"{', '.join(f'{k}=True' for k, v in rec.setup.strategy_kwargs().items() if v is True)} "
@@ -242,7 +335,7 @@ def mixtral_report(num_gpus: int = 8, gpu_memory_gb: float = 80, ep_sizes: tuple
                  precision="bf16", ep_size=ep, micro_batch=micro_batch, seq_len=seq_len,
                  hidden_size=cfg["hidden_size"], num_layers=cfg["num_layers"], num_heads=cfg["num_heads"],
                  ffn_hidden_size=cfg["ffn_hidden_size"], top_k=2, vocab_size=cfg["vocab_size"],
-                 activation_checkpointing=True)
+                 num_experts=cfg["num_experts"], activation_checkpointing=True)
         lines += [f"### ep_size={ep} (GB per GPU; activations {_gb(p.activations.total)} GB for micro-batch "
                   f"{micro_batch} x {seq_len} tokens with activation checkpointing, buckets {_gb(p.buffer_bytes)} GB)",
                   "", p.table(), "", "Recommendation: " + p.recommend().reason, ""]

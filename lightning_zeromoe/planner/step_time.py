@@ -1,0 +1,313 @@
+"""Step-time model: how long one optimizer step takes per setup, to rank setups by time.
+
+A prediction, built from three terms that are added (no overlap assumed, see below):
+
+compute
+    ``flops_per_token * tokens per rank per step / Hardware.flops_per_second``. FLOPs per token
+    (forward + backward) follow the usual form (Kaplan et al. 2020, "Scaling Laws for Neural
+    Language Models", section 2.1; attention term as in Chowdhery et al. 2022, "PaLM",
+    appendix B): ``6 * N_active + 12 * L * h * s``, where ``N_active = dense + expert * top_k / E``
+    (each token runs ``top_k`` of the ``E`` experts), ``L`` the attention layers, ``h`` the
+    attention width (heads x head size; the hidden size when not given) and ``s`` the sequence
+    length. ``N_active`` counts every dense parameter, the embedding table too (a lookup, no
+    matmul): a slight over-count that is the same for every setup. The attention term counts the
+    full ``s x s`` score matrix, as the standard form does; causal kernels skip about half of it.
+    Activation checkpointing repeats the forward: ``8`` instead of ``6`` (and 16 instead of 12).
+    Expert parallelism does not change FLOPs per token: on average a rank computes what it would
+    compute without it (balanced routing assumed). The optimizer update adds
+    ``partitioned elements / Hardware.update_params_per_second``.
+
+communication
+    Bytes per collective and group from :mod:`lightning_zeromoe.planner.comm` (the ``nccl-tests``
+    convention: the full buffer of a call), turned into seconds the ``nccl-tests`` way: bus
+    bandwidth ``busbw = algbw * factor`` with ``factor = 2(n-1)/n`` for all-reduce, ``(n-1)/n`` for
+    all-gather, reduce-scatter and all-to-all, ``1`` for broadcast (``n``: ranks in the group), so
+    ``time = bytes * factor / bandwidth + calls * latency``. A group whose ranks sit on more than
+    one node uses :attr:`Hardware.inter`, otherwise :attr:`Hardware.intra`. Ranks are placed as
+    DeepSpeed places them: expert-parallel groups are ``ep_size`` consecutive ranks, expert-data-
+    parallel groups every ``ep_size``-th rank, the world group all ranks. ``calls`` is estimated
+    from the bucket sizes (stages 1/2: one all-reduce per reduce bucket, one all-gather per flat
+    group), ZeRO-3's per-tensor gathers and AutoEP's per-layer all-to-alls (see :func:`_calls`).
+
+offload (``offload_optimizer``)
+    PCIe traffic: each rank copies its gradient partition to the host (stages 1/2: fp32, 4 bytes;
+    stage 3: the gradient dtype) and its updated 16-bit parameter partition back, at
+    :attr:`Hardware.pcie_bandwidth`; the update runs on the host at
+    :attr:`Hardware.cpu_adam_params_per_second` instead of on the device. ``offload_parameters``
+    adds the host-to-device copy of every parameter partition ZeRO-3 gathers. Modelled from
+    DeepSpeed's design, not measured (this project's test machines have no GPU to offload from).
+
+ZeRO-3's host-side work
+    ZeRO-3 runs hooks and its parameter coordinator (fetch, release, trace bookkeeping) for every
+    module with parameters, in forward and in backward, whether or not a gather is needed:
+    ``2 * modules * micro-batches * Hardware.zero3_module_seconds``. On CPU ranks this is measured
+    (``benchmarks/rank_setups.py --calibrate``: stage 3 minus stage 1 on one rank, where neither
+    communicates, per module pass); the GPU default is an assumption, see the field.
+
+Overlap assumption: none. ``total = compute + communication + offload + ZeRO-3 host`` is the serial sum, an upper
+bound. On GPUs ``overlap_comm`` hides part of the gradient reductions behind backward, so absolute
+figures are pessimistic there; :attr:`Hardware.overlap` (0..1) subtracts that fraction of the
+gradient-reduction time, at most the backward compute (2/3 of compute), if you want to model it.
+
+Pure module: no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lightning_zeromoe.planner.comm import CommPrediction, CommShape, _regathered, predict
+from lightning_zeromoe.planner.setups import _PRECISION_BYTES, Setup, normalize_precision
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: bus bandwidth (bytes/s, the ``nccl-tests`` busbw) and latency per call (s)."""
+
+    bandwidth: float
+    latency: float
+
+
+#: NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both directions together, 450 GB/s each way (NVIDIA
+#: H100 and H200 datasheets). NCCL all-reduce bus bandwidth on 8 x H100 SXM reaches about this in
+#: ``nccl-tests`` at large sizes. Latency: small-message NCCL calls inside a node are ~10-20 us.
+NVLINK = Link(bandwidth=450e9, latency=15e-6)
+#: InfiniBand NDR, one 400 Gb/s HCA per GPU (DGX H100 / H200 reference design): 50 GB/s per GPU
+#: per direction. Latency: inter-node NCCL calls of small messages take a few tens of us.
+INFINIBAND = Link(bandwidth=50e9, latency=30e-6)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the step-time model needs to know about the machines. Every field can be overridden;
+    the defaults are H100/H200-class (sources in the comments)."""
+
+    #: Achieved FLOP/s per device: ~40% of the 989 TFLOP/s dense bf16 peak of an H100/H200 SXM
+    #: (NVIDIA datasheets), a typical model-FLOPs utilisation for MoE training.
+    flops_per_second: float = 400e12
+    intra: Link = NVLINK
+    inter: Link = INFINIBAND
+    #: Optimizer updates per second on the device: AdamW reads and writes ~36 bytes per element
+    #: (fp32 master, two moments, gradient, 16-bit weight) against H200's 4.8 TB/s HBM.
+    update_params_per_second: float = 1.0e11
+    #: PCIe Gen5 x16: 64 GB/s per direction in theory, ~50 GB/s achieved with pinned memory.
+    pcie_bandwidth: float = 50e9
+    #: DeepSpeed's CPU Adam, per GPU's share of the host: an assumption (not measured here), from
+    #: memory traffic: ~28 bytes read and written per element against ~30 GB/s of host memory
+    #: bandwidth per GPU's share of a two-socket server.
+    cpu_adam_params_per_second: float = 1.0e9
+    #: ZeRO-3's host work per module with parameters and pass (forward or backward): hooks, fetch and
+    #: release bookkeeping. An assumption for GPUs (not measured here): tens of microseconds of Python
+    #: per module pass. On CPU ranks measured by ``benchmarks/rank_setups.py --calibrate``.
+    zero3_module_seconds: float = 50e-6
+    #: Fraction (0..1) of gradient-reduction time hidden behind backward; 0 = serial sum.
+    overlap: float = 0.0
+    #: Links measured per collective (``"all_reduce"``, ``"all_gather"``, ...), or per collective and
+    #: group size (``"all_to_all/2"``, preferred when present), used instead of ``intra`` for groups
+    #: inside one node: for a backend whose collectives differ (gloo on CPU).
+    collective_links: tuple[tuple[str, Link], ...] = ()
+
+    def link(self, collective: str, spans_nodes: bool, ranks: int = 0) -> Link:
+        if spans_nodes:
+            return self.inter
+        links = dict(self.collective_links)
+        return links.get(f"{collective}/{ranks}", links.get(collective, self.intra))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step on one rank, by term."""
+
+    compute: float
+    #: (collective, group) -> seconds (bandwidth term + latency term).
+    comm: dict[tuple[str, str], float]
+    offload: float
+    total: float
+    #: ZeRO-3's host-side work (hooks, fetch/release bookkeeping), seconds.
+    zero3_host: float
+    flops_per_rank: float
+    comm_bytes: float
+    #: (collective, group) -> (calls per step, ranks in the group, whether it spans nodes).
+    groups: dict[tuple[str, str], tuple[int, int, bool]] = field(default_factory=dict)
+    overlap: str = "none: total = compute + communication + offload + ZeRO-3 host work (serial sum)"
+
+    @property
+    def comm_total(self) -> float:
+        return sum(self.comm.values())
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What compute needs beyond :class:`~lightning_zeromoe.planner.comm.CommShape`."""
+
+    attention_layers: int = 0
+    seq_len: int = 0
+    #: Attention width (heads x head size); 0: the hidden size.
+    attention_width: int = 0
+
+
+def flops_per_token(shape: CommShape, model: ModelShape) -> float:
+    """Training FLOPs (forward + backward) per token: ``6 N_active + 12 L h s`` (8 and 16 with
+    activation checkpointing). See the module docstring."""
+    counts = shape.counts
+    share = shape.top_k / shape.num_experts if shape.num_experts else 1.0
+    active = counts.dense_total + counts.expert_total * share
+    width = model.attention_width or shape.hidden_size
+    passes = 4 if shape.activation_checkpointing else 3  # forward, backward (2x), + recomputed forward
+    return 2 * passes * active + 4 * passes * model.attention_layers * width * model.seq_len
+
+
+def group_ranks(group: str, world: int, ep_size: int) -> list[list[int]]:
+    """Rank lists of each group of that name, as DeepSpeed builds them."""
+    if group == "expert_parallel":
+        return [list(range(i, i + ep_size)) for i in range(0, world, ep_size)]
+    if group == "expert_data_parallel":
+        return [list(range(j, world, ep_size)) for j in range(ep_size)]
+    return [list(range(world))]
+
+
+def spans_nodes(group: str, world: int, ep_size: int, gpus_per_node: int) -> bool:
+    """Whether any group of that name has ranks on more than one node."""
+    return any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in group_ranks(group, world, ep_size))
+
+
+def _group_size(group: str, world: int, ep_size: int) -> int:
+    return len(group_ranks(group, world, ep_size)[0])
+
+
+#: Bus-bandwidth factor per collective (nccl-tests' PERFORMANCE.md): busbw = algbw * factor.
+def bus_factor(collective: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+def _calls(shape: CommShape, prediction: CommPrediction) -> dict[tuple[str, str], int]:
+    """Collective calls per optimizer step, for the latency term (an estimate; see the module docstring)."""
+    W, ep, A = shape.world, shape.ep_size, shape.accumulation
+    D = W // ep
+    apart = ep > 1
+    dense = list(shape.counts.dense) + ([] if apart else list(shape.counts.expert))
+    local = [n // ep for n in shape.counts.expert] if apart else []
+    calls: dict[tuple[str, str], int] = {}
+
+    def buckets(sizes: list[int], bucket: int) -> int:
+        return math.ceil(sum(sizes) / bucket) if sizes and bucket > 0 else (1 if sizes else 0)
+
+    if shape.stage in (1, 2):
+        reductions = A if shape.stage == 2 else 1
+        calls[("all_reduce", "world")] = reductions * buckets(dense, shape.reduce_bucket_size) + 3
+        calls[("all_reduce", "expert_data_parallel")] = reductions * buckets(local, shape.reduce_bucket_size) + 1
+        calls[("all_gather", "world")] = shape.dense_param_groups
+        calls[("all_gather", "expert_data_parallel")] = 1 if apart else 0
+    elif shape.stage == 3:
+        threshold = shape.param_persistence_threshold
+        big = [n for n in dense if n > threshold]
+        big_local = [n for n in local if n > threshold]
+        again = [_regathered(shape, local, first) for first in (shape.first_step,) + (False,) * (A - 1)]
+        calls[("all_gather", "world")] = A * len(big) + sum(len([n for n in d if n > threshold]) for d, _ in again)
+        calls[("all_gather", "expert_data_parallel")] = (A * len(big_local)
+                                                         + sum(len([n for n in e if n > threshold]) for _, e in again))
+        calls[("reduce_scatter", "world")] = A * buckets(dense, shape.reduce_bucket_size)
+        calls[("reduce_scatter", "expert_data_parallel")] = A * buckets(local, shape.reduce_bucket_size)
+        calls[("all_reduce", "world")] = 1
+        calls[("all_reduce", "expert_data_parallel")] = 1 if apart else 0
+        calls[("all_reduce", "expert_parallel")] = 1 if apart else 0
+    if apart and shape.moe_layers:
+        forwards = 2 if shape.activation_checkpointing else 1
+        calls[("all_to_all", "expert_parallel")] = A * shape.moe_layers * (3 * forwards + 2)
+    if W > 1 and shape.lightning:
+        calls[("broadcast", "world")] = A
+    return {k: v for k, v in calls.items() if k in prediction.bytes}
+
+
+def module_count(shape: CommShape) -> int:
+    """Modules with parameters: from ``param_order`` when given, else one per parameter tensor."""
+    if shape.param_order is not None:
+        return len({m for _, _, m in shape.param_order})
+    return len(shape.counts.dense) + len(shape.counts.expert)
+
+
+def partition_elements(shape: CommShape) -> float:
+    """Elements of the optimizer's partition on one rank: dense over the world, each rank's experts
+    over the expert-data-parallel group."""
+    W, ep = shape.world, shape.ep_size
+    apart = ep > 1
+    dense = shape.counts.dense_total + (0 if apart else shape.counts.expert_total)
+    local = shape.counts.expert_total / ep if apart else 0.0
+    return dense / W + local / (W // ep)
+
+
+def predict_step_time(shape: CommShape, hardware: Hardware = Hardware(), *, model: ModelShape = ModelShape(),
+                      gpus_per_node: int | None = None, offload_optimizer: bool = False,
+                      offload_parameters: bool = False, prediction: CommPrediction | None = None) -> StepTime:
+    """Seconds of one optimizer step on one rank for this shape (see the module docstring).
+    ``shape.tokens_per_micro_batch = 0`` leaves compute and all-to-all out (communication of
+    parameters and gradients only: still enough to rank stages, whose compute is the same)."""
+    prediction = prediction or predict(shape)
+    per_node = gpus_per_node or shape.world
+    tokens = shape.tokens_per_micro_batch * shape.accumulation
+    flops = flops_per_token(shape, model) * tokens
+    compute = flops / hardware.flops_per_second
+    elements = partition_elements(shape)
+    calls = _calls(shape, prediction)
+    comm: dict[tuple[str, str], float] = {}
+    groups: dict[tuple[str, str], tuple[int, int, bool]] = {}
+    grad_time = 0.0
+    for (collective, group), nbytes in prediction.bytes.items():
+        n = _group_size(group, shape.world, shape.ep_size)
+        spans = spans_nodes(group, shape.world, shape.ep_size, per_node)
+        link = hardware.link(collective, spans, n)
+        count = calls.get((collective, group), 1) if n > 1 else 0
+        seconds = nbytes * bus_factor(collective, n) / link.bandwidth + count * link.latency
+        comm[(collective, group)] = seconds
+        groups[(collective, group)] = (count, n, spans)
+        if prediction.kinds.get((collective, group)) == "grads":
+            grad_time += seconds
+    offload = 0.0
+    if offload_optimizer:
+        p, g, _ = _PRECISION_BYTES[normalize_precision(shape.precision)]
+        grad_host = g if shape.stage == 3 else 4
+        offload = elements * (grad_host + p) / hardware.pcie_bandwidth + elements / hardware.cpu_adam_params_per_second
+        if offload_parameters:
+            gathered = sum(v for (c, _), v in prediction.bytes.items() if c == "all_gather")
+            offload += gathered / max(1, shape.world) / hardware.pcie_bandwidth
+    else:
+        compute += elements / hardware.update_params_per_second
+    zero3_host = 0.0
+    if shape.stage == 3:
+        zero3_host = 2 * shape.accumulation * module_count(shape) * hardware.zero3_module_seconds
+    hidden = min(hardware.overlap * grad_time, compute * 2 / 3)
+    total = compute + sum(comm.values()) + offload + zero3_host - hidden
+    overlap = ("none: total = compute + communication + offload + ZeRO-3 host work (serial sum)" if not hardware.overlap else
+               f"{hardware.overlap:.0%} of gradient-reduction time hidden behind backward ({hidden:.3g} s)")
+    return StepTime(compute=compute, comm=comm, offload=offload, total=total, zero3_host=zero3_host,
+                    flops_per_rank=flops,
+                    comm_bytes=prediction.total, groups=groups, overlap=overlap)
+
+
+def setup_step_time(shape: CommShape, setup: Setup, hardware: Hardware = Hardware(), **kwargs: object) -> StepTime:
+    """:func:`predict_step_time` for one ladder setup (its stage and offload flags)."""
+    from dataclasses import replace
+
+    return predict_step_time(replace(shape, stage=setup.stage), hardware, offload_optimizer=setup.offload_optimizer,
+                             offload_parameters=setup.offload_parameters, **kwargs)  # type: ignore[arg-type]
+
+
+def format_seconds(seconds: float) -> str:
+    """``1.23 s`` / ``45.6 ms`` / ``789 us``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+__all__ = ["INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "bus_factor", "flops_per_token",
+           "format_seconds", "group_ranks", "module_count", "partition_elements", "predict_step_time", "setup_step_time",
+           "spans_nodes"]
