@@ -10,7 +10,6 @@ processes (gloo) and GPUs (NCCL).
 from __future__ import annotations
 
 import dataclasses
-import os
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -32,8 +31,8 @@ from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, Reso
                                       options_before_model, resolve, strategy_settings, user_section,
                                       zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
-from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, group_timeout, initialize,
-                                      stop_launched_ranks, use_deepspeed_cpu_accelerator)
+from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, device_memory_bytes, group_timeout,
+                                      initialize, stop_launched_ranks, use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.knowledge import say
 
 if TYPE_CHECKING:
@@ -232,11 +231,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         # (stage="auto": planned from plan_for, else 3; config/before_model.py). The full config
         # (discovery, validation, stage="auto" from the model) waits for the model, in setup().
         if self.resolved is None:
-            world = World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
-                          on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision))
             options, note = options_before_model(
-                self.options, auto_stage=self.auto_stage, user=self.user_config, plan_for=self.plan_for, world=world,
-                builds_later=builds_in_configure_model(self.lightning_module), device_memory_bytes=self._device_memory_bytes)
+                self.options, auto_stage=self.auto_stage, user=self.user_config, plan_for=self.plan_for,
+                world=self._world(), builds_later=builds_in_configure_model(self.lightning_module),
+                device_memory_bytes=lambda: self._planner_inputs()["device_memory_bytes"])
             if note:
                 self._once.info(note)
             if self.plan_for is not None:  # its choice is the one decision: setup does not plan again
@@ -312,14 +310,16 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self.config = self.resolved.config
             lightning_private.rebuild_config(self)
             return
+        from lightning_zeromoe.planner import choose_ep_size, choose_stage  # fastest that fits, for the "auto"s
+
         self.discovery = discover(module, self.moe_pattern)
-        if self.auto_ep:
-            self._choose_ep_size(module)
-        world = World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
-                      on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
-                      accumulate_grad_batches=self._accumulate_grad_batches())
-        self.resolved = resolve(self.options, world, self.discovery, auto_stage=self.auto_stage,
-                                choose_stage=lambda ep_size: self._choose_stage(module, ep_size),
+        if self.auto_ep:  # the planner's fastest ep_size that fits; a config's autoep_size still wins in resolve
+            ep_size, why = choose_ep_size(module, [b.num_experts for b in self.discovery.blocks],
+                                          stage=None if self.auto_stage else self.options.stage, **self._planner_inputs())
+            self.options = dataclasses.replace(self.options, ep_size=ep_size)
+            self._once.info(f"ZeroMoEStrategy(ep_size='auto'): {why}")
+        self.resolved = resolve(self.options, self._world(), self.discovery, auto_stage=self.auto_stage,
+                                choose_stage=lambda ep_size: choose_stage(module, ep_size=ep_size, **self._planner_inputs()),
                                 keyword_sections=self._keyword_sections(), user=self.user_config,
                                 ep_size_given=self.ep_size_given)
         self._resolved_for = module
@@ -334,35 +334,18 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         return self.keywords.config_sections(offload_optimizer=self.options.offload_optimizer,
                                              offload_parameters=self.options.offload_parameters)
 
-    def _choose_stage(self, module: Module, ep_size: int) -> tuple[int, str]:
-        """``stage="auto"``: the ZeRO stage predicted fastest among those that fit, from the planner."""
-        from lightning_zeromoe.planner import choose_stage
+    def _world(self) -> World:
+        """What Lightning launches: ranks, devices per node, where and how they compute."""
+        return World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                     on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
+                     accumulate_grad_batches=int(getattr(lightning_private.trainer_of(self.lightning_module),
+                                                         "accumulate_grad_batches", 1) or 1))
 
-        return choose_stage(module, world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
-                            ep_size=ep_size, device_memory_bytes=self._device_memory_bytes(),
-                            precision=str(self.precision_plugin.precision))
-
-    def _choose_ep_size(self, module: Module) -> None:
-        """``ep_size="auto"``: the planner's fastest ep_size that fits (with the stage, or with
-        ``stage="auto"`` jointly), logged with why; a config's ``autoep_size`` still wins in resolve."""
-        from lightning_zeromoe.planner import choose_ep_size
-
-        ep_size, why = choose_ep_size(
-            module, [b.num_experts for b in self.discovery.blocks], world_size=self.num_nodes * self.num_processes,
-            devices_per_node=self.num_processes, device_memory_bytes=self._device_memory_bytes(),
-            precision=str(self.precision_plugin.precision), stage=None if self.auto_stage else self.options.stage)
-        self.options = dataclasses.replace(self.options, ep_size=ep_size)
-        self._once.info(f"ZeroMoEStrategy(ep_size='auto'): {why}")
-
-    def _device_memory_bytes(self) -> float:
-        """Memory per device: the GPU's, or on CPU this host's RAM shared by its processes."""
-        if not self._on_cpu:
-            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, self.num_processes)
-
-    def _accumulate_grad_batches(self) -> int:
-        trainer = lightning_private.trainer_of(self.lightning_module)
-        return int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    def _planner_inputs(self) -> dict[str, Any]:
+        """What the planner reads of this run, for ``stage="auto"`` and ``ep_size="auto"``."""
+        world = self._world()
+        return dict(world_size=world.world_size, devices_per_node=world.devices_per_node, precision=world.precision,
+                    device_memory_bytes=device_memory_bytes(world.on_cpu, self.root_device, world.devices_per_node))
 
     @property
     def ds_config(self) -> DeepSpeedConfig:

@@ -84,4 +84,11 @@ def use_deepspeed_cpu_accelerator() -> None:
         os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
 
 
-__all__ = ["apply_timeout_to_all_groups", "group_timeout", "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]
+def device_memory_bytes(on_cpu: bool, device: torch.device, processes_per_node: int) -> float:
+    """Memory per device for the planner: the GPU's, or on CPU this host's RAM shared by its processes."""
+    if not on_cpu:
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, processes_per_node)
+
+
+__all__ = ["apply_timeout_to_all_groups", "device_memory_bytes", "group_timeout", "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]
