@@ -174,6 +174,37 @@ def test_bytes_per_function_on_a_one_rank_group(tmp_path):
     assert not ledger.installed and dist.all_reduce is original
 
 
+def test_counting_outside_lightning_records_steps_and_restores_on_exit(tmp_path):
+    """The standalone use (another training loop, the HF Trainer in benchmarks/peer_compare.py):
+    ``with ledger.counting():``, ``begin()`` once the engine exists, ``close_step()`` per step."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_zeromoe import CommLedger
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    original = dist.all_reduce
+    ledger = CommLedger()
+    try:
+        with pytest.raises(RuntimeError, match="planned"), ledger.counting() as counting:
+            assert counting is ledger and ledger.installed and dist.all_reduce is not original
+            dist.broadcast(torch.zeros(4), src=0)  # engine set-up: 16 bytes, before begin()
+            ledger.begin(0)
+            dist.all_reduce(torch.zeros(10))  # step 1: 40 bytes
+            ledger.close_step(1)
+            dist.all_reduce(torch.zeros(2, dtype=torch.float64))  # step 2: 16 bytes
+            ledger.close_step(2)
+            raise RuntimeError("planned")
+        assert not ledger.installed and dist.all_reduce is original
+        dist.all_reduce(torch.zeros(3))  # after the block: not counted
+    finally:
+        ledger.uninstall()
+        dist.destroy_process_group()
+    assert ledger.setup_comm.bytes == {("broadcast", "world"): 16}
+    assert [(s.step, s.bytes) for s in ledger.steps] == [(1, {("all_reduce", "world"): 40}),
+                                                           (2, {("all_reduce", "world"): 16})]
+
+
 def test_a_fit_that_raises_restores_torch_distributed():
     import lightning as L
     import torch

@@ -8,7 +8,10 @@ experts beside DeepSpeed's files (:mod:`lightning_zeromoe.checkpoint.frozen_expe
 One real 2-rank ``torchrun`` launch of ``tests/jobs/lora_ep_job.py`` (its docstring lists the runs:
 ``A`` trains and saves with ``ep_size=2``; ``B`` resumes it on the same shape, ``C`` with
 ``ep_size=1``, ``D`` resumes ``C``'s checkpoint with ``ep_size=2``, ``E`` resumes ``A``'s with
-AutoEP's layer at ``ep_size=1``, one expert-data-parallel group of 2 ranks). The resumed runs'
+AutoEP's layer at ``ep_size=1``, one expert-data-parallel group of 2 ranks; ``T``, ``U``, ``V``: LoRA
+on the fused 3-D expert tensors too, PEFT ``target_parameters``, whose MoE blocks fall back to ZeRO-3
+leaf modules: ``T`` trains and saves with ``ep_size=2``, ``U`` resumes it on the same shape, ``V``
+with ``ep_size=1``). The resumed runs'
 models are built with other initial values (seed 1), so everything they hold after the load came
 from the checkpoint. Checked against a plain single-process PEFT run (no DeepSpeed, no Lightning,
 AdamW) over the batches each rank received, and against the seed-0 model's own tensors.
@@ -34,7 +37,9 @@ import lora_ep_job as job  # noqa: E402
 RTOL = 2e-6
 #: Exported logits against the engine's; measured ~1e-7.
 ATOL = 1e-5
-CHAINS = {"A": "A", "B": "AB", "C": "AC", "D": "ACD", "E": "AE"}
+CHAINS = {"A": "A", "B": "AB", "C": "AC", "D": "ACD", "E": "AE", "T": "T", "U": "TU", "V": "TV"}
+#: The runs with LoRA on the expert tensors too (``target_parameters``).
+EXPERT_LORA = set("TUV")
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +64,17 @@ def _steps(out: Path, run: str) -> dict[int, tuple[list[list[int]], float]]:
             for s, t in zip(a["steps"], b["steps"])}
 
 
-def plain_peft_losses(batches: list[list[list[int]]]) -> list[float]:
+def plain_peft_losses(batches: list[list[list[int]]], experts: bool = False) -> list[float]:
     """One process: the seed-0 PEFT model, AdamW over the trainable (LoRA) parameters; each step's
     loss is the mean of each rank's sub-batch loss, as data parallelism averages gradients."""
+    return _plain_peft(batches, experts)[0]
+
+
+def _plain_peft(batches: list[list[list[int]]], experts: bool) -> tuple[list[float], torch.nn.Module]:
     from lightning_zeromoe.reference.models import SyntheticLMData
 
     data = SyntheticLMData(num_samples=job.SAMPLES, seq_len=job.SEQ, vocab_size=job.VOCAB, seed=0).tokens
-    net = job.lora_model(0)
+    net = job.lora_model(0, experts)
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=job.LR, weight_decay=0.0)
     losses = []
     for per_rank in batches:
@@ -74,11 +83,11 @@ def plain_peft_losses(batches: list[list[list[int]]]) -> list[float]:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses
+    return losses, net
 
 
-def _seed_state(seed: int) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in job.lora_model(seed).named_parameters()}
+def _seed_state(seed: int, experts: bool = False) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in job.lora_model(seed, experts).named_parameters()}
 
 
 def _expected(reference: dict[str, torch.Tensor], name: str, local: dict[str, list[int]]) -> torch.Tensor:
@@ -140,14 +149,15 @@ def test_losses_match_a_plain_peft_run_over_the_same_batches(runs, run):
         steps.update(_steps(runs, part))
     order = sorted(steps)
     assert order == list(range(1, len(order) + 1))
-    reference = dict(zip(order, plain_peft_losses([steps[k][0] for k in order])))
+    experts = run in EXPERT_LORA
+    reference = dict(zip(order, plain_peft_losses([steps[k][0] for k in order], experts)))
     ours = _steps(runs, run)
     assert len(ours) >= 1
     gaps = {k: abs(loss - reference[k]) / abs(reference[k]) for k, (_, loss) in ours.items()}
     print(f"{run}: steps {sorted(ours)}, worst relative loss gap {max(gaps.values()):.1e}")
     assert max(gaps.values()) < RTOL, gaps
-    if run != "A":  # a model that did not resume (trained from scratch on that batch) would be told apart
-        fresh = plain_peft_losses([steps[min(ours)][0]])[0]
+    if CHAINS[run] != run:  # a model that did not resume (trained from scratch on that batch) would be told apart
+        fresh = plain_peft_losses([steps[min(ours)][0]], experts)[0]
         assert abs(fresh - reference[min(ours)]) / abs(fresh) > 100 * RTOL
 
 
@@ -235,3 +245,124 @@ def test_a_copy_without_its_frozen_experts_is_refused_by_resume_and_export(runs,
                           capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
     assert proc.returncode != 0 and "[autoep-frozen-experts]" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ LoRA on the expert tensors (T, U, V)
+
+EXPERT_TENSORS = ("experts.base_layer.base_layer.gate_up_proj", "experts.base_layer.base_layer.down_proj")
+
+
+def test_blocks_with_expert_lora_fall_back_to_zero3_with_the_reason(runs):
+    log = (runs / "log.txt").read_text()
+    for layer in (0, 1):
+        line = (f"net.base_model.model.model.layers.{layer}.mlp (MixtralSparseMoeBlock): it holds PEFT adapters "
+                "(experts (ParamWrapper), experts.base_layer (ParamWrapper)), which AutoEP's layer would drop")
+        assert line in log, line
+    assert "0 MoE block(s) with expert parallelism; 2 without EP" in log
+    for run in "TUV":
+        for r in _ranks(runs, run):
+            trained = r["trainable_after"]
+            assert trained == r["trainable_before"] and all(".lora_" in n for n in trained)
+            assert sum(".mlp.experts." in n for n in trained) == 8  # lora_A, lora_B of 2 tensors x 2 layers
+            assert r["frozen_experts_written"] == "None"  # no AutoEP layer: nothing of frozen_experts' own
+
+
+def test_expert_lora_trains_like_plain_peft_and_the_base_experts_stay_frozen(runs):
+    steps = _steps(runs, "T")
+    _, plain = _plain_peft([steps[k][0] for k in sorted(steps)], experts=True)
+    plain_state = {n: p.detach() for n, p in plain.named_parameters()}
+    start = _seed_state(0, experts=True)
+    end = {n.removeprefix("net."): t for n, t in torch.load(runs / "T" / "params_end.pt", weights_only=True).items()}
+    assert set(end) == set(start)
+    expert_lora = [n for n in end if ".mlp.experts." in n and ".lora_" in n]
+    assert len(expert_lora) == 8
+    for name in expert_lora:  # trained: moved from its initial value (lora_B starts at zero), as plain PEFT moved it
+        assert not torch.equal(end[name], start[name]), name
+        assert torch.allclose(end[name], plain_state[name], rtol=1e-4, atol=1e-6), name
+    frozen = [n for n, p in job.lora_model(0, True).named_parameters() if not p.requires_grad]
+    assert sum(n.endswith(EXPERT_TENSORS) for n in frozen) == 4
+    for name in frozen:  # experts, routers, attention bases, embeddings: bit for bit
+        assert torch.equal(end[name], start[name]), name
+
+
+@pytest.mark.parametrize("run", ["U", "V"])
+def test_expert_lora_resume_restores_every_frozen_tensor_bit_for_bit(runs, run):
+    reference, other = _seed_state(0, experts=True), _seed_state(1, experts=True)
+    for r in (0, 1):
+        frozen = torch.load(runs / run / f"frozen_rank{r}.pt", weights_only=True)["frozen"]
+        assert sum(n.endswith(EXPERT_TENSORS) for n in frozen) == 4, sorted(frozen)
+        for name, value in frozen.items():
+            own = name.removeprefix("net.")
+            assert torch.equal(value, reference[own]), f"{run} rank {r}: {name}"
+            assert "norm" in name or not torch.equal(value, other[own]), f"{run} rank {r}: {name} has its seed-1 value"
+
+
+def test_export_merges_the_expert_lora_and_gives_the_trained_logits(runs, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(runs / "T" / "ckpt" / "step=4.ckpt"),
+                           str(out)], capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = [torch.load(runs / "T" / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
+    assert torch.allclose(engine[0]["logits"], engine[1]["logits"], atol=1e-6)
+    ids, logits = engine[0]["input_ids"], engine[0]["logits"]
+    merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    merged.eval()
+    with torch.no_grad():
+        diff_merged = (merged(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+    # The experts were merged: they are no longer the frozen base (an export that dropped the adapter would be).
+    end = torch.load(runs / "T" / "params_end.pt", weights_only=True)
+    state = load_file(out / "model.safetensors")
+    for layer in (0, 1):
+        for tensor in ("gate_up_proj", "down_proj"):
+            base = end[f"net.base_model.model.model.layers.{layer}.mlp.experts.base_layer.base_layer.{tensor}"]
+            assert not torch.equal(state[f"model.layers.{layer}.mlp.experts.{tensor}"], base)
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert sum(".mlp.experts." in n for n in adapter) == 8
+    with_adapter = PeftModel.from_pretrained(_plain_seed0_model(), out / "adapter")
+    with_adapter.eval()
+    with torch.no_grad():
+        diff_adapter = (with_adapter(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+        with with_adapter.disable_adapter():
+            base_diff = (with_adapter(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+    print(f"expert LoRA export: max |merged - engine| = {diff_merged:.2e}, |base + adapter - engine| = "
+          f"{diff_adapter:.2e} (adapter off: {base_diff:.2e})")
+    assert diff_merged < ATOL and diff_adapter < ATOL and base_diff > 100 * ATOL
+
+
+def test_export_refuses_expert_lora_it_cannot_place_rather_than_dropping_it():
+    """A checkpoint whose metadata does not say which parameter each ParamWrapper adapts (saved
+    before it was recorded) is refused; with it, the merge equals PEFT's ``merge_and_unload``."""
+    import copy
+
+    from lightning_zeromoe.checkpoint.errors import ExportError
+    from lightning_zeromoe.checkpoint.lora import split_lora
+    from lightning_zeromoe.checkpoint.plan import OutputTensor
+    from lightning_zeromoe.checkpoint.save import _lora_adapters
+    from troubleshooter import knowledge
+
+    net = job.lora_model(0, True)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if ".lora_B." in name:  # PEFT starts lora_B at zero: give the adapter a delta to merge
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    adapters = _lora_adapters(net)
+    prefix = adapters[0].peft_prefix
+    outputs = [OutputTensor(n.removeprefix(prefix), tuple(p.shape), lambda reader, t=p.detach().clone(): t)
+               for n, p in net.named_parameters()]
+    merged, _ = split_lora(outputs, adapters)
+    expected = copy.deepcopy(net).merge_and_unload().state_dict()
+    got = {o.name: o.build(None) for o in merged}
+    assert set(got) == set(expected)
+    assert all(torch.allclose(got[n], expected[n], atol=1e-6) for n in expected)
+    assert not torch.equal(got["model.layers.0.mlp.experts.gate_up_proj"],
+                           net.get_parameter(f"{prefix}model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj"))
+    adapters[0].param_wrappers = {}
+    with pytest.raises(ExportError, match=r"^\[export-unsupported-model\] .*model\.layers\.0\.mlp\.experts") as err:
+        split_lora(outputs, adapters)
+    assert knowledge.match(str(err.value))[0].entry.id == "export-unsupported-model"

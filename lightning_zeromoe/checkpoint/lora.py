@@ -7,6 +7,16 @@ holds ``X.base_layer.weight`` and ``X.lora_A.<adapter>.weight`` / ``X.lora_B.<ad
   ``PeftModel.save_pretrained`` writes it) plus ``adapter_config.json``.
 * Merged: ``X.weight = base + scaling * (B @ A)`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)``
   with ``use_rslora``), transposed for ``fan_in_fan_out``: what ``merge_and_unload`` computes.
+
+LoRA on a parameter (PEFT ``target_parameters``, e.g. the fused 3-D ``experts.gate_up_proj``) wraps
+the parameter's module ``X`` in a ``ParamWrapper``; two parameters of one module nest two wrappers,
+so the base tensors are ``X.base_layer.base_layer.P`` and the adapters sit at ``X`` and
+``X.base_layer``. Which parameter each wrapper adapts is not in the names: the save records it
+(``LoraAdapter.param_wrappers``, :func:`param_wrappers`). A wrapper over ``[E, d1, d2]`` has
+``lora_A [E*r, in]`` and ``lora_B [out, E*r]``; expert ``e``'s delta is
+``scaling * B[:, :, e] @ A[e]`` with ``A`` viewed ``[E, r, in]`` and ``B`` viewed ``[out, r, E]``,
+transposed to ``[in, out]`` unless PEFT swapped in and out (``[E, out, in]`` layouts, Mixtral's).
+An adapter pair that no base tensor takes is refused: the merged model would silently lack it.
 """
 
 from __future__ import annotations
@@ -47,21 +57,58 @@ def split_lora(outputs: list[OutputTensor], adapters: list[LoraAdapter]) -> tupl
         if m and m["adapter"] == adapter.name:
             pairs.setdefault(m["module"], {})[m["ab"]] = o
             adapter_out.append(OutputTensor(f"{adapter.peft_prefix}{m['module']}.lora_{m['ab']}.weight", o.shape, o.build))
+    wrappers = adapter.param_wrappers
     merged: list[OutputTensor] = []
+    used: set[str] = set()
     for o in outputs:
         if _LORA.fullmatch(o.name):
             continue
         if ".base_layer." not in o.name:
             merged.append(o)
             continue
-        module, leaf = o.name.rsplit(".base_layer.", 1)
-        name = f"{module}.{leaf}"
-        ab = pairs.get(module)
-        if leaf != "weight" or ab is None:
+        module, leaf = o.name.rsplit(".", 1)
+        chain = _wrapper_chain(module)
+        name = f"{chain[0]}.{leaf}"
+        wrapper = next((w for w in chain if wrappers.get(w, {}).get("parameter") == leaf and w in pairs), None)
+        if wrapper is not None:
+            used.add(wrapper)
+            ab = pairs[wrapper]
+            merged.append(OutputTensor(name, o.shape, _merge_param(o, ab["A"], ab["B"], scaling, wrappers[wrapper])))
+        elif leaf == "weight" and len(chain) == 1 and chain[0] in pairs and chain[0] not in wrappers:
+            used.add(chain[0])
+            ab = pairs[chain[0]]
+            merged.append(OutputTensor(name, o.shape, _merge(o, ab["A"], ab["B"], scaling, fan_in_fan_out)))
+        else:
             merged.append(OutputTensor(name, o.shape, o.build))
-            continue
-        merged.append(OutputTensor(name, o.shape, _merge(o, ab["A"], ab["B"], scaling, fan_in_fan_out)))
+    unmerged = sorted(set(pairs) - used)
+    if unmerged:
+        raise ExportError(say(UNSUPPORTED_MODEL, "unmerged-lora", "resave-with-wrappers",
+                              modules=", ".join(unmerged[:4]) + (" ..." if len(unmerged) > 4 else "")))
     return merged, adapter_out
+
+
+def _wrapper_chain(module: str) -> list[str]:
+    """``X.base_layer.base_layer`` -> ``[X, X.base_layer]``: the PEFT layers around a base tensor, outermost first."""
+    chain = [module]
+    while chain[-1].endswith(".base_layer"):
+        chain.append(chain[-1][: -len(".base_layer")])
+    return chain[:0:-1]
+
+
+def param_wrappers(base_model: Any) -> dict[str, dict[str, Any]]:
+    """``{path: {"parameter", "experts", "swapped"}}`` of each PEFT ``ParamWrapper`` under ``base_model``
+    (recognised by class name and attributes; no peft import)."""
+    out = {}
+    for name, m in base_model.named_modules():
+        if type(m).__name__ != "ParamWrapper" or not hasattr(m, "parameter_name") or not hasattr(m, "num_experts"):
+            continue
+        base = m.get_base_layer()
+        param = getattr(base, m.parameter_name)
+        ndim = len(getattr(param, "ds_shape", param.shape))  # ZeRO-3 partitioned: the full shape is ds_shape
+        # PEFT swaps in and out for a 3-D parameter unless its module says it is stored [E, in, out].
+        out[name] = {"parameter": str(m.parameter_name), "experts": int(m.num_experts),
+                     "swapped": ndim == 3 and not getattr(base, "is_transposed", False)}
+    return out
 
 
 def adapter_config(adapter: LoraAdapter) -> dict[str, Any]:
@@ -73,5 +120,26 @@ def _merge(base: OutputTensor, a: OutputTensor, b: OutputTensor, scaling: float,
         w = base.build(reader).float()
         delta = (b.build(reader).float() @ a.build(reader).float()) * scaling
         return w + (delta.T if fan_in_fan_out else delta)
+
+    return build
+
+
+def _merge_param(base: OutputTensor, a: OutputTensor, b: OutputTensor, scaling: float,
+                 wrapper: dict[str, Any]) -> Any:
+    """``base + delta`` for a ``ParamWrapper`` (PEFT's ``get_delta_weight``, in fp32)."""
+    import torch
+
+    experts, swapped = int(wrapper["experts"]), bool(wrapper["swapped"])
+
+    def build(reader: Any) -> Any:
+        w = base.build(reader).float()
+        wa, wb = a.build(reader).float(), b.build(reader).float()
+        if experts == 1:
+            delta = wb @ wa
+        else:
+            wa = wa.reshape(experts, -1, wa.shape[-1])  # [E, r, in]
+            wb = wb.reshape(wb.shape[0], -1, experts)  # [out, r, E]
+            delta = torch.einsum("ore,eri->eoi" if swapped else "ore,eri->eio", wb, wa)
+        return w + (delta * scaling).reshape(w.shape)
 
     return build

@@ -69,6 +69,9 @@ class LoraAdapter:
     config: dict[str, Any]
     #: Prefix PEFT adds in front of the base model's names (``base_model.model.``).
     peft_prefix: str = "base_model.model."
+    #: PEFT ``ParamWrapper`` modules (LoRA on a parameter, ``target_parameters``), by path under the
+    #: base model: ``{"parameter": name, "experts": E, "swapped": bool}`` (see :mod:`.lora`).
+    param_wrappers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 
 from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.checkpoint.autoep_names import BlockNames, block_names, names_for, own_name
+from lightning_zeromoe.checkpoint.lora import param_wrappers
 from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
 from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe._private import torch as torch_private
@@ -166,7 +167,8 @@ def _lora_adapters(root: Any) -> list[LoraAdapter]:
     out = []
     for name, cfg in peft_config.items():
         data = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-        out.append(LoraAdapter(name=name, config=json.loads(json.dumps(data, default=_jsonable))))
+        out.append(LoraAdapter(name=name, config=json.loads(json.dumps(data, default=_jsonable)),
+                               param_wrappers=param_wrappers(root.base_model.model)))
     return out
 
 

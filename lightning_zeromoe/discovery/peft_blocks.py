@@ -9,6 +9,11 @@ adapter (measured with peft 0.21.2: discovery still found both blocks of a tiny 
 experts were wrapped, and the setup probe cannot tell: ``lora_B`` starts at zero, so the wrapped
 block and AutoEP's layer agree before the first step). Such blocks fall back to ZeRO-3 without
 expert parallelism (registered as leaf modules), with this reason in the setup log line.
+
+PEFT's ``ParamWrapper`` itself works under ZeRO-3 as a leaf module: it parametrizes the 3-D tensor
+only inside its forward, when the leaf block's parameters are gathered, so the adapter trains at
+parity with plain PEFT, the base experts stay frozen, and the run saves, resumes (same and other
+``ep_size``) and exports with the adapter merged (``tests/test_lora_ep.py``, runs ``T``/``U``/``V``).
 """
 
 from __future__ import annotations

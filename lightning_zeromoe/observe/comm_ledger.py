@@ -39,13 +39,18 @@ clone of it), ``other`` otherwise.
 Per optimizer step, rank 0 logs ``comm/<collective>/<group>_MB`` (10^6 bytes) and
 ``comm/total_MB`` to every Lightning logger; every rank keeps its own :attr:`CommLedger.steps`.
 Collectives between two optimizer steps (other callbacks', validation's) count towards the next.
+
+Without Lightning (another training loop, the Hugging Face ``Trainer``): ``with ledger.counting():``
+installs the wrappers and takes them out again; the loop calls :meth:`CommLedger.begin` once its
+engine is built and :meth:`CommLedger.close_step` after each optimizer step.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning as L
 import torch
@@ -206,6 +211,23 @@ class CommLedger(L.Callback):
     def uninstall(self) -> None:
         self._patches.restore()
 
+    @contextmanager
+    def counting(self) -> Iterator["CommLedger"]:
+        """Count for the duration of the ``with`` block, outside Lightning (install, then uninstall,
+        also on an exception). Enter it after the process group exists (DeepSpeed's backend is
+        wrapped too when it is initialised)."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
+
+    def begin(self, step: int = 0) -> None:
+        """Start the record of optimizer step ``step + 1``; what was counted so far stays in
+        :attr:`setup_comm` (Lightning's ``on_train_start`` calls it with the trainer's step)."""
+        self._last_step = step
+        self._current = StepComm(step=step + 1)
+
     def _wrap(self, name: str, original: Callable) -> Callable:
         collective = COUNTED[name]
         depth = self._depth
@@ -262,8 +284,7 @@ class CommLedger(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_step = trainer.global_step
-        self._current = StepComm(step=trainer.global_step + 1)
+        self.begin(trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -16,6 +16,14 @@ epoch boundary, so the resumed steps see the batches the uninterrupted run saw.
   4 experts on both ranks: one expert-data-parallel group of 2), step 3, and saves it: one file,
   written by one rank.
 
+LoRA on the fused 3-D expert tensors too (PEFT ``target_parameters``: both MoE blocks fall back to
+ZeRO-3 leaf modules, see ``discovery/peft_blocks.py``):
+
+* ``T``: seed 0, ``ep_size=2``, 4 steps; saves steps 2 and 4 (``T/ckpt``); after ``fit``, every
+  parameter gathered (``T/params_end.pt``, rank 0) and the engine's logits on the fixed batch.
+* ``U``: seed 1 resumes ``T@2`` with ``ep_size=2`` (same shape), steps 3-4.
+* ``V``: seed 1 resumes ``T@2`` with ``ep_size=1`` (another shape), step 3.
+
 Each resumed run writes, right after the load (``on_train_start``), every frozen parameter it
 holds (gathered; AutoEP layers' local expert ids with them) to ``<run>/frozen_rank<R>.pt``. Every
 run writes ``<run>/rank<R>.json``: per step the global step, the sample indices this rank got
@@ -51,7 +59,7 @@ SAMPLES, PER_RANK, SEQ, LR = 8, 2, 17, 1e-2
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-#: ``--only T`` (by hand, not in CI): LoRA on the fused 3-D expert tensors too (PEFT ``target_parameters``).
+#: Runs ``T``, ``U``, ``V``: LoRA on the fused 3-D expert tensors too (PEFT ``target_parameters``).
 LORA_EXPERTS = dict(LORA, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
 
 
@@ -67,10 +75,11 @@ def fixed_batch() -> torch.Tensor:
 
 
 class LoraModule(L.LightningModule):
-    def __init__(self, net: torch.nn.Module, capture: Path | None = None) -> None:
+    def __init__(self, net: torch.nn.Module, capture: Path | None = None, capture_end: Path | None = None) -> None:
         super().__init__()
         self.net = net
         self.capture = capture
+        self.capture_end = capture_end
         self.steps: list[dict[str, Any]] = []
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -99,6 +108,19 @@ class LoraModule(L.LightningModule):
         self.capture.mkdir(parents=True, exist_ok=True)
         torch.save({"frozen": values, "local_experts": ids}, self.capture / f"frozen_rank{self.global_rank}.pt")
 
+    def on_train_end(self) -> None:
+        """Every parameter after the last step, gathered (all ranks take part), written by rank 0."""
+        if self.capture_end is None:
+            return
+        import deepspeed
+
+        params = list(self.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            values = {n: p.detach().clone() for n, p in params}
+        if self.global_rank == 0:
+            self.capture_end.mkdir(parents=True, exist_ok=True)
+            torch.save(values, self.capture_end / "params_end.pt")
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
 
@@ -123,7 +145,8 @@ def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resum
          save_every: int | None = None, logits: bool = False, grouped: bool = False, experts: bool = False) -> None:
     t0 = time.perf_counter()
     run_dir = out / name
-    module = LoraModule(lora_model(seed, experts), capture=run_dir if resume is not None else None)
+    module = LoraModule(lora_model(seed, experts), capture=run_dir if resume is not None else None,
+                        capture_end=run_dir if experts and resume is None else None)
     trainable_before = sorted(n for n, p in module.named_parameters() if p.requires_grad)
     trainer = _trainer(ep_size, max_steps, run_dir / "ckpt" if save_every else None, save_every or 2, grouped)
     trainer.fit(module, ckpt_path=resume)
@@ -149,7 +172,7 @@ def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resum
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default="ABCDE", help="which runs (for reproducing one by hand)")
+    parser.add_argument("--only", default="ABCDETUV", help="which runs (for reproducing one by hand)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -166,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         _run("E", out, seed=1, ep_size=1, grouped=True, max_steps=3, resume=out / "A" / "ckpt" / "step=2.ckpt",
              save_every=3)
     if "T" in args.only:
-        _run("T", out, seed=0, ep_size=2, max_steps=4, experts=True)
+        _run("T", out, seed=0, ep_size=2, max_steps=4, save_every=2, logits=True, experts=True)
+    if "U" in args.only:
+        _run("U", out, seed=1, ep_size=2, max_steps=4, resume=out / "T" / "ckpt" / "step=2.ckpt", experts=True)
+    if "V" in args.only:
+        _run("V", out, seed=1, ep_size=1, max_steps=3, resume=out / "T" / "ckpt" / "step=2.ckpt", experts=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
