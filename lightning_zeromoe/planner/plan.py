@@ -8,6 +8,8 @@ from typing import Any, Callable
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES, normalize_precision
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, _states, estimate_activations
+from lightning_zeromoe.planner.counts import GatherUnit, gather_units
+from lightning_zeromoe.planner.working_set import PeakEstimate, ZeroBuffers, estimate_peak
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,19 @@ class Plan:
     host_memory_bytes: float | None
     requested: Setup | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: The model's ZeRO-3 gather units (when a model was given) and the bucket/threshold settings:
+    #: with them and an activation estimate, :meth:`peak` models the step's working set.
+    units: tuple[GatherUnit, ...] = ()
+    zero_buffers: ZeroBuffers = field(default_factory=ZeroBuffers.strategy)
+
+    def peak(self, setup: Setup) -> PeakEstimate | None:
+        """Per-rank peak of the first and a steady step (:mod:`.working_set`), or None without a
+        model's modules or without an activation estimate (micro_batch and seq_len)."""
+        if not self.units or self.activations is None:
+            return None
+        return estimate_peak(self.units, setup, world=self.num_gpus, ep_size=self.ep_size, precision=self.precision,
+                             buffers=self.zero_buffers, activation_per_layer=self.activations.per_layer,
+                             activation_logits=self.activations.logits, optimizer_bytes=self.optimizer_bytes)
 
     @property
     def usable_bytes(self) -> float:
@@ -60,7 +75,9 @@ class Plan:
         return self.estimates[setup].device_total + act + self.buffer_bytes
 
     def fits(self, setup: Setup) -> bool:
-        if self.device_bytes(setup) > self.usable_bytes:
+        peak = self.peak(setup)
+        need = max(peak.first.allocated, peak.steady.allocated) if peak else self.device_bytes(setup)
+        if need > self.usable_bytes:
             return False
         if self.host_memory_bytes is not None:
             return self.estimates[setup].host * self.gpus_per_node <= self.host_memory_bytes
@@ -129,7 +146,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          num_experts: int | None = None, flash_attention: bool = True, activation_checkpointing: bool = False,
          optimizer_bytes: int = 8, bucket_elements: int = 50_000_000, headroom: float = 0.10,
          host_memory_bytes: float | None = None, counts: ParamCounts | None = None,
-         is_expert: Callable[[str], bool] = is_expert_param) -> Plan:
+         is_expert: Callable[[str], bool] = is_expert_param, zero_config: dict[str, Any] | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -193,12 +210,18 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             top_k=pick(top_k, "num_experts_per_tok", "top_k"), vocab_size=pick(vocab_size, "vocab_size"),
             precision=precision, flash_attention=flash_attention,
             activation_checkpointing=activation_checkpointing)
+    units: tuple[GatherUnit, ...] = ()
+    if model is not None and hasattr(model, "named_modules"):
+        # At ep_size=1 the strategy registers each MoE block (a module with an ``experts`` child) as a leaf.
+        units = gather_units(model, lambda name, module: ep_size == 1 and hasattr(module, "experts"), is_expert)
+    zero_buffers = ZeroBuffers.from_config(zero_config) if zero_config else ZeroBuffers.strategy()
     p, g, _ = _PRECISION_BYTES[precision]
     buffers = bucket_elements * (p + g)  # one reduce bucket (gradients) + one gather/prefetch bucket
     return Plan(counts=counts, num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
                 precision=precision, ep_size=ep_size, optimizer_bytes=optimizer_bytes, estimates=estimates,
                 activations=activations, buffer_bytes=float(buffers), headroom=headroom,
-                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes))
+                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes), units=units,
+                zero_buffers=zero_buffers)
 
 
 def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: int, device_memory_bytes: float,
