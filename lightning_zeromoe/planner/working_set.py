@@ -81,11 +81,13 @@ class PhasePeak:
     phase: str
     held: tuple[Term, ...]
     backward: tuple[Term, ...]
+    #: ``step()`` before the optimizer runs (gradients flattened) and while it runs (Adam).
     step: tuple[Term, ...]
+    update: tuple[Term, ...] = ()
 
     def _peak(self, attr: str) -> float:
         held = sum(getattr(t, attr) for t in self.held)
-        return held + max(sum(getattr(t, attr) for t in self.backward), sum(getattr(t, attr) for t in self.step))
+        return held + max(sum(getattr(t, attr) for t in part) for part in (self.backward, self.step, self.update))
 
     @property
     def allocated(self) -> float:
@@ -99,12 +101,13 @@ class PhasePeak:
 
     @property
     def where(self) -> str:
-        bwd, stp = (sum(t.resident for t in part) for part in (self.backward, self.step))
-        return "backward" if bwd >= stp else "optimizer step"
+        parts = {"backward": self.backward, "step, before the optimizer": self.step, "optimizer update": self.update}
+        return max(parts, key=lambda k: sum(t.resident for t in parts[k]))
 
     def rows(self) -> list[str]:
         out = [f"{self.phase} step (peak in the {self.where}):"]
-        for part, terms in (("held", self.held), ("backward", self.backward), ("step", self.step)):
+        for part, terms in (("held", self.held), ("backward", self.backward), ("step", self.step),
+                            ("update", self.update)):
             out += [f"  {part:8s} {t.name:42s} {t.resident / 2**20:9.2f} MiB resident "
                     f"{t.allocated / 2**20:9.2f} MiB allocated  [{t.rule}]" for t in terms]
         return out
@@ -214,11 +217,11 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             act += activation_logits if pos[i] >= layers else 0.0
             transient = g * (sum(sizes) if u.leaf and stage == 3 else max(sizes))
             so_far += sum(sizes)
-            written = 0.0 if steady else g * min(so_far, sum(fill))
+            written = 0.0 if steady and stage == 3 else g * min(so_far, sum(fill))
             points.append((here + act + transient + written, f"backward of {u.name}"))
             if steady and retained[i]:
                 gathered -= p * gatherable[i]
-        points.append((0.0 if steady else g * sum(fill) + part2, "end of backward"))
+        points.append((0.0 if steady and stage == 3 else g * sum(fill) + part2, "end of backward"))
         return max(points)
 
     phases = {}
@@ -239,23 +242,42 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
                          + ("/__params_to_release (trace complete)" if steady else " (no trace: release each module)")
                          + "; activations; autograd gradients before reduce_independent_p_g_buckets_and_remove_grads")
         opt = Term("optimizer states", st.optimizer, st.optimizer, "torch.optim Adam state, created at the first step()")
-        if steady:
+        if steady and stage == 3:
             hold += kept + [opt]
-            bwd, stp = [walk_term], []
+            kept, opt_now = [], []
+        elif steady:
+            # Stages 1/2 free the bucket and the gradient partition after each step (measured: a
+            # steady step starts with the first step's holdings plus Adam's states, nothing more),
+            # so a steady step fills them again exactly as the first did.
+            hold.append(opt)
+            opt_now = []
         else:
-            # the bucket and stage 2's partition are in the walk; persistent parameters are not
-            bwd = [walk_term] + [t for t in kept if t is persist]
-            stp = kept + [opt]
+            opt_now = [opt]
+        # the bucket and stage 2's partition are in the walk; stage 3's persistent parameters are not
+        bwd = [walk_term] + [t for t in kept if t is persist]
         shard = st.master / 4 if st.master else 0.0
-        flat = shard * g
-        stp.append(Term("flattened gradient partition", flat, flat,
-                        "stage3.py::_prepare_fp32_grad_for_sub_group" if stage == 3
-                        else "stage_1_and_2.py::step flatten(averaged_gradients)"))
-        if st.step_transient > flat:
-            stp.append(Term("fp32 copy of the gradient partition", st.step_transient - flat,
-                            st.step_transient - flat, "stage3.py::_prepare_fp32_grad_for_sub_group"))
-        scratch = 2 * 4 * shard
-        stp.append(Term("Adam scratch (sqrt, quotient)", scratch, scratch,
-                        "torch/optim/adamw.py::_single_tensor_adamw denom"))
-        phases[steady] = PhasePeak("steady" if steady else "first", tuple(hold), tuple(bwd), tuple(stp))
+        flat_t = Term("flattened gradient partition", shard * g, shard * g,
+                      "stage3.py::_prepare_fp32_grad_for_sub_group" if stage == 3
+                      else "stage_1_and_2.py::step flatten(averaged_gradients)")
+        extra = [flat_t]
+        if st.step_transient > shard * g:
+            extra.append(Term("fp32 copy of the gradient partition", st.step_transient - shard * g,
+                              st.step_transient - shard * g, "stage3.py::_prepare_fp32_grad_for_sub_group"))
+        # torch's Adam, one flat fp32 partition per parameter group (dense, and experts under EP):
+        # ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)``: two temporaries of the largest group.
+        groups = [sum(-(-n // world) for n in counts.dense)]
+        if ep_size > 1:
+            groups.append(sum(-(-(n // ep_size) // edp) for n in counts.expert))
+        else:
+            groups[0] += sum(-(-n // world) for n in counts.expert)
+        scratch = 2 * 4 * max(groups) if st.master else 0.0
+        scratch_t = Term("Adam scratch (sqrt, quotient)", scratch, scratch, "torch/optim/adam.py::_single_tensor_adam denom")
+        if stage == 3:  # stage3.py::step: flatten, update and free one sub-group at a time; the bucket stays
+            stp, upd = kept + extra, kept + extra + opt_now + [scratch_t]
+        else:
+            # stage_1_and_2.py::step: every group's gradient is flattened (the bucket still holds the
+            # full gradients, stage 2's partition too), then free_grad_in_param_list frees them before
+            # the optimizer runs.
+            stp, upd = kept + extra, extra + opt_now + [scratch_t]
+        phases[steady] = PhasePeak("steady" if steady else "first", tuple(hold), tuple(bwd), tuple(stp), tuple(upd))
     return PeakEstimate(setup=setup, states=st, first=phases[False], steady=phases[True])
