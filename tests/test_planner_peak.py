@@ -75,15 +75,22 @@ def test_expert_parallelism_splits_the_bucket_and_skips_unpartitioned_experts():
     assert "mlp" in first.name or "lm_head" in first.name
 
 
-def test_stage_1_2_hold_the_previous_bucket_and_stage_2_its_gradient_partition():
+def test_stage_1_2_fill_the_bucket_again_every_step_and_free_gradients_before_the_update():
     units = _units()
     s1 = estimate_peak(units, Setup(0, 1), world=2, ep_size=2, precision="fp32", buffers=ZeroBuffers.strategy())
     s2 = estimate_peak(units, Setup(0, 2), world=2, ep_size=2, precision="fp32", buffers=ZeroBuffers.strategy())
-    assert [t.name for t in s1.steady.held if "partition" in t.name] == ["fp32 master partition"]
-    assert "gradient partition" in [t.name for t in s2.steady.held]
-    # two 5e7-element buffers allocated with overlap_comm (the strategy's setting)
+    for est in (s1, s2):
+        # between steps: parameters, master partition, Adam states; no gradients, no bucket written
+        assert {t.name for t in est.steady.held if t.resident} == {"parameters", "fp32 master partition",
+                                                                    "optimizer states"}
+        assert "ipg gradient bucket (x2)" in {t.name for t in est.steady.step}
+        assert "ipg gradient bucket (x2)" not in {t.name for t in est.steady.update}
+    assert "gradient partition" in {t.name for t in s2.steady.step} - {t.name for t in s1.steady.step}
+    # two 5e7-element buffers allocated with overlap_comm (the strategy's setting), written in part
     alloc = next(t for t in s1.steady.held if t.name.endswith("(allocated)"))
     assert alloc.allocated == 2 * 50_000_000 * 4
+    assert next(t for t in s1.steady.step if t.name == "ipg gradient bucket (x2)").resident == \
+        4 * sum(sum(u.local(2)) for u in units)
 
 
 def test_plan_peak_with_a_model_and_a_batch_shape():

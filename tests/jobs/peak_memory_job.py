@@ -81,6 +81,21 @@ def _warm_up() -> None:
     del model, opt, task, aux
 
 
+def _live_tensors() -> list:
+    """Debugging aid (PEAK_DEBUG=1): the largest tensor storages Python can reach, by size."""
+    import torch
+
+    storages: dict[int, tuple[int, str]] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                st = obj.untyped_storage()
+                storages[st.data_ptr()] = (st.nbytes(), f"{type(obj).__name__}{tuple(obj.shape)}")
+        except Exception:  # noqa: BLE001 - some tensors (meta, sparse) have no storage
+            continue
+    return sorted(storages.values(), reverse=True)[:40] + [("total", sum(n for n, _ in storages.values()))]
+
+
 def _probe_class():
     import lightning as L
 
@@ -99,6 +114,8 @@ def _probe_class():
             if batch_idx in (FIRST, STEADY):
                 _trim()
                 self.record[f"held_{batch_idx}"] = _status()["RssAnon"] - self.record["baseline"]
+                if os.environ.get("PEAK_DEBUG"):
+                    self.record[f"tensors_{batch_idx}"] = _live_tensors()
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")  # VmHWM := VmRSS
 
