@@ -205,20 +205,56 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
 
     part2 = st.grads if stage == 2 else 0.0  # stage_1_and_2.py::copy_grads_in_partition, first backward
 
+    # Gathered expert tensors are indexed per expert (fused 3-D layout: Hugging Face Mixtral, ours,
+    # AutoEP's CPU loop); autograd saves those views, which keep the gathered storage alive after
+    # partition_parameters.py::free_param swaps ``param.data`` out, until that module's backward.
+    viewed = [p * sum(n for n, e in zip(sizes, u.expert) if e and n > thr and group(e) > 1)
+              for sizes, u in zip(local, units)]
+    # partition_parameters.py::_all_gather_dtype gathers 2+ tensors into one flat buffer and
+    # AllGatherCoalescedHandle.wait copies each parameter out of it (torch.cat): 2x until the handle goes.
+    coalesced = [sum(1 for n, e in zip(sizes, u.expert) if n > thr and group(e) > 1) > 1
+                 for sizes, u in zip(local, units)]
+
+    def acts_before(i: int, inclusive: bool) -> float:
+        n = sum(1 for layer in range(layers) if (layer <= pos[i] if inclusive else layer < pos[i]))
+        return activation_per_layer * n + (activation_logits if inclusive and pos[i] >= layers else 0.0)
+
+    def grads_of(i: int) -> float:
+        """Autograd's full-size gradients of one module before they reach the bucket: its largest
+        tensor, or for fused experts all of them plus one more of the largest (each expert's
+        SelectBackward is full-size and is added into the running sum)."""
+        sizes, exp = local[i], [n for n, e in zip(local[i], units[i].expert) if e]
+        return g * (sum(exp) + max(exp) if exp else max(sizes))
+
     def walk(steady: bool) -> tuple[float, str]:
-        """The extra resident bytes at the backward's worst point, and where it is."""
-        gathered = p * sum(n for n, keep in zip(gatherable, retained) if keep) if steady else 0.0
-        points = [(gathered + activation_per_layer * layers + activation_logits, "end of forward")]
+        """The extra resident bytes at the forward's and backward's worst point, and where it is."""
+        points: list[tuple[float, str]] = []
+        if stage == 3 and steady:
+            # partitioned_param_coordinator.py::_fetch_sub_module_impl prefetches the next modules'
+            # parameters in one coalesced gather of up to stage3_prefetch_bucket_size elements; its
+            # buffer lives until the last of them is fetched, next to their copies.
+            chunk = min(sum(gatherable[1:]), buffers.prefetch_bucket_size + max(gatherable, default=0),
+                        buffers.max_live_parameters)
+            gathered = p * sum(n for n, keep in zip(gatherable, retained) if keep)
+            points.append((gathered + p * chunk + activation_per_layer * layers, "forward, prefetch buffer alive"))
+        else:
+            gathered = 0.0
+            for i in range(len(units)):  # first step: one module at a time, views kept by autograd
+                fetch = p * gatherable[i] * (2 if coalesced[i] else 1)
+                points.append((sum(viewed[:i]) + fetch + acts_before(i, False), f"forward of {units[i].name}"))
+        points.append((gathered + (sum(viewed) if not steady else 0.0) + activation_per_layer * layers
+                       + activation_logits, "end of forward"))
         so_far = 0
         for i in reversed(range(len(units))):
             u, sizes = units[i], local[i]
+            kept = 0.0 if steady else sum(viewed[:i + 1])
             here = gathered + (0.0 if retained[i] and steady else p * gatherable[i])
-            act = activation_per_layer * sum(1 for layer in range(layers) if layer <= pos[i])
-            act += activation_logits if pos[i] >= layers else 0.0
-            transient = g * (sum(sizes) if u.leaf and stage == 3 else max(sizes))
             so_far += sum(sizes)
             written = 0.0 if steady and stage == 3 else g * min(so_far, sum(fill))
-            points.append((here + act + transient + written, f"backward of {u.name}"))
+            act = acts_before(i, True)
+            if coalesced[i] and not (steady and retained[i]):
+                points.append((kept + here + p * gatherable[i] + act + written, f"backward fetch of {u.name}"))
+            points.append((kept + here + act + grads_of(i) + written, f"backward of {u.name}"))
             if steady and retained[i]:
                 gathered -= p * gatherable[i]
         points.append((0.0 if steady and stage == 3 else g * sum(fill) + part2, "end of backward"))

@@ -67,9 +67,22 @@ def _trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+#: Imported lazily during the first engine build (torch.compile's stack, AutoEP, networkx): ~45 MB
+#: of Python objects, once per process, which would count against the first case's model.
+LAZY_IMPORTS = ("networkx", "functorch.compile", "torch._inductor.compile_fx", "torch.export",
+                "deepspeed.module_inject", "deepspeed.moe.layer", "deepspeed.runtime.zero.stage3",
+                "deepspeed.runtime.zero.stage_1_and_2", "lightning_zeromoe.conversion.check")
+
+
 def _warm_up() -> None:
-    """One forward, backward and AdamW step of a small copy of the model, then freed."""
+    """One forward, backward and AdamW step of a small copy of the model, then freed; the imports
+    the engine build makes once per process, made now."""
+    import importlib
+
     import torch
+
+    for name in LAZY_IMPORTS:
+        importlib.import_module(name)
 
     from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, lm_losses
 
@@ -109,20 +122,45 @@ def _probe_class():
             model = sum(t.numel() * t.element_size() for t in (*pl_module.parameters(), *pl_module.buffers()))
             self.record["model_bytes"] = model
             self.record["baseline"] = _status()["RssAnon"] - model
+            self.setup_modules()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.batch = batch_idx
             if batch_idx in (FIRST, STEADY):
                 _trim()
                 self.record[f"held_{batch_idx}"] = _status()["RssAnon"] - self.record["baseline"]
+                self.record[f"new_modules_{batch_idx}"] = len(set(sys.modules) - self.modules)
                 if os.environ.get("PEAK_DEBUG"):
                     self.record[f"tensors_{batch_idx}"] = _live_tensors()
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # VmHWM := VmRSS
+                    self.record[f"modules_{batch_idx}"] = sorted(set(sys.modules) - self.modules)
+                self._reset()
+
+        def setup_modules(self) -> None:
+            self.modules = set(sys.modules)
+
+        def _reset(self) -> None:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+
+        def _segment(self, name: str) -> None:
+            """The peak since the last mark, per phase of the step: exact, from VmHWM."""
+            if self.batch in (FIRST, STEADY):
+                s = _status()
+                self.record[f"{name}_{self.batch}"] = s["VmHWM"] - s["RssFile"] - s["RssShmem"] - self.record["baseline"]
+                self._reset()
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            self._segment("forward")
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            self._segment("backward")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if batch_idx in (FIRST, STEADY):
+                self._segment("step")
                 s = _status()
-                self.record[f"peak_{batch_idx}"] = s["VmHWM"] - s["RssFile"] - s["RssShmem"] - self.record["baseline"]
+                self.record[f"peak_{batch_idx}"] = max(self.record[f"{k}_{batch_idx}"]
+                                                       for k in ("forward", "backward", "step"))
                 self.record[f"after_{batch_idx}"] = s["RssAnon"] - self.record["baseline"]
 
     return Probe
