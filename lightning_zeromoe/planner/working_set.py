@@ -143,13 +143,32 @@ def _bucket_fill(order: list[tuple[int, str]], bucket: int, by_group: bool, buff
     return fill
 
 
+def _flush_points(units_grads: list[list[tuple[int, str]]], bucket: int) -> list[int]:
+    """Stage 3: for each module in backward order, the largest bucket flushed while its gradients
+    arrive (a change of partition group or a full bucket), and last, the epilogue's flush
+    (``stage3.py::independent_gradient_partition_epilogue``)."""
+    out, elements, group = [], 0, None
+    for grads in units_grads:
+        biggest = 0
+        for numel, grp in grads:
+            if numel > bucket:
+                continue
+            if elements and (elements + numel > bucket or grp != group):
+                biggest, elements = max(biggest, elements), 0
+            elements += numel
+            group = grp
+        out.append(biggest)
+    return out + [elements]
+
+
 def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep_size: int = 1,
                   precision: str = "bf16", buffers: ZeroBuffers = ZeroBuffers(), activation_per_layer: float = 0.0,
                   activation_logits: float = 0.0, num_layers: int | None = None,
-                  optimizer_bytes: int = 8) -> PeakEstimate:
+                  optimizer_bytes: int = 8, backend: str = "nccl") -> PeakEstimate:
     """Per-rank peak of the first and a steady step for ``setup`` (no offload modelled beyond the
     states), from the model's gather units in forward order. Activations: per decoder layer and
-    the loss's logits (:func:`memory.estimate_activations`), both in bytes."""
+    the loss's logits (:func:`memory.estimate_activations`), both in bytes. ``backend``: ``"gloo"``
+    has no native reduce-scatter, and its fallback holds one more copy of what is reduced."""
     precision = normalize_precision(precision)
     p, g, _ = _PRECISION_BYTES[precision]
     stage = setup.stage
@@ -186,6 +205,13 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
              for sizes, u in zip(reversed(local), reversed(units)) for n, e in zip(reversed(sizes), reversed(u.expert))]
     nbuf = 1 if stage == 3 else (2 if buffers.overlap_comm else 1)
     fill = _bucket_fill(order, buffers.reduce_bucket_size, stage == 3, nbuf) if buffers.contiguous_gradients else [0]
+    # stage3.py::__reduce_and_partition_ipg_grads -> __avg_scatter_grads (reduce_scatter is on by
+    # default) -> comm/coalesced_collectives.py::reduce_scatter_coalesced: torch.cat of the bucket's
+    # gradients, padded per rank: one more copy of what is flushed, while the bucket still holds it.
+    per_unit = [[(n, "expert" if e and ep_size > 1 else "dense") for n, e in zip(reversed(sizes), reversed(u.expert))]
+                for sizes, u in zip(reversed(local), reversed(units))]
+    flushes = _flush_points(per_unit, buffers.reduce_bucket_size) if stage == 3 else [0] * (len(units) + 1)
+    copies = 2 if backend == "gloo" and world > 1 else 1
     bucket_alloc = (buffers.reduce_bucket_size * nbuf if buffers.contiguous_gradients else 0) * g
     bucket_rule = ("stage3.py::create_reduce_and_remove_grad_hooks (allocated at init), filled by "
                    "__add_grad_to_ipg_bucket" if stage == 3 else
@@ -245,8 +271,9 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
         points.append((gathered + (sum(viewed) if not steady else 0.0) + activation_per_layer * layers
                        + activation_logits, "end of forward"))
         so_far = 0
-        for i in reversed(range(len(units))):
+        for k, i in enumerate(reversed(range(len(units)))):
             u, sizes = units[i], local[i]
+            reduce = g * copies * flushes[k]
             kept = 0.0 if steady else sum(viewed[:i + 1])
             here = gathered + (0.0 if retained[i] and steady else p * gatherable[i])
             so_far += sum(sizes)
@@ -254,10 +281,11 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             act = acts_before(i, True)
             if coalesced[i] and not (steady and retained[i]):
                 points.append((kept + here + p * gatherable[i] + act + written, f"backward fetch of {u.name}"))
-            points.append((kept + here + act + grads_of(i) + written, f"backward of {u.name}"))
+            points.append((kept + here + act + grads_of(i) + written + reduce, f"backward of {u.name}"))
             if steady and retained[i]:
                 gathered -= p * gatherable[i]
-        points.append((0.0 if steady and stage == 3 else g * sum(fill) + part2, "end of backward"))
+        points.append(((0.0 if steady and stage == 3 else g * sum(fill) + part2) + g * copies * flushes[-1],
+                       "end of backward (epilogue's reduce-scatter)"))
         return max(points)
 
     phases = {}

@@ -124,6 +124,25 @@ def _probe_class():
             self.record["baseline"] = _status()["RssAnon"] - model
             self.setup_modules()
 
+        def on_train_start(self, trainer, pl_module) -> None:
+            if not os.environ.get("PEAK_DEBUG"):
+                return
+            self.record["trace"] = []
+
+            def mark(label):
+                def hook(*_):
+                    if self.batch == FIRST:
+                        st = _status()
+                        self.record["trace"].append((label, st["RssAnon"] - self.record["baseline"],
+                                                     st["VmHWM"] - st["RssFile"] - self.record["baseline"]))
+                return hook
+
+            for name, module in trainer.strategy.deepspeed_engine.module.named_modules():
+                if name.endswith(("mlp", "attn", "lm_head")):
+                    module.register_full_backward_pre_hook(mark(f"{name} backward start"))
+                    module.register_full_backward_hook(mark(f"{name} backward end"))
+                    module.register_forward_hook(mark(f"{name} forward end"))
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.batch = batch_idx
             if batch_idx in (FIRST, STEADY):
@@ -235,4 +254,4 @@ def predict(stage: int, ep_size: int, world: int):
     return estimate_peak(gather_units(model, leaf), Setup(0, stage), world=world, ep_size=ep_size, precision="fp32",
                          buffers=ZeroBuffers.from_config(zero_section(ZeroOptions(stage=stage, ep_size=ep_size))),
                          activation_per_layer=act.per_layer, activation_logits=act.logits,
-                         num_layers=MODEL["num_layers"])
+                         num_layers=MODEL["num_layers"], backend="gloo")
