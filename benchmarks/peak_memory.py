@@ -47,8 +47,9 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="print every case's per-term table")
     args = parser.parse_args()
     mib = 2**20
-    rows = ["| world | case | leaf blocks | held before step 0 (meas./pred.) | first step peak (meas./pred., ratio) "
-            "| steady step peak (meas./pred., ratio) |", "|---|---|---:|---|---|---|"]
+    rows = ["| world | case | leaf blocks | held before step 0, meas. / pred. | first step peak, meas. / pred. (ratio) "
+            "| where, meas. / pred. | steady step peak, meas. / pred. (ratio) | where, meas. / pred. |",
+            "|---|---|---:|---|---|---|---|---|"]
     tables = []
     for world in (int(w) for w in args.worlds.split(",")):
         ranks = measure(world, args.cases)
@@ -60,11 +61,15 @@ def main() -> None:
             first = max(r["peak_0"] for r in runs)
             steady = max(r["peak_4"] for r in runs)
             held = max(r["held_0"] for r in runs)
+            def where(step: int) -> str:
+                return max(("forward", "backward", "step"), key=lambda k: runs[0][f"{k}_{step}"])
+
             rows.append(f"| {world} | ZeRO-{stage}, ep_size={ep} | {len(runs[0]['leaf_modules'])} "
                         f"| {held / mib:.1f} / {held_pred / mib:.1f} MiB "
                         f"| {first / mib:.1f} / {est.first.resident / mib:.1f} MiB ({first / est.first.resident:.3f}) "
+                        f"| {where(0)} / {est.first.where} "
                         f"| {steady / mib:.1f} / {est.steady.resident / mib:.1f} MiB "
-                        f"({steady / est.steady.resident:.3f}) |")
+                        f"({steady / est.steady.resident:.3f}) | {where(4)} / {est.steady.where} |")
             tables.append(f"world {world}, ZeRO-{stage} ep_size={ep}: per rank measured first "
                           f"{[round(r['peak_0'] / mib, 1) for r in runs]} steady {[round(r['peak_4'] / mib, 1) for r in runs]} MiB\n"
                           + est.table())

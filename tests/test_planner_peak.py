@@ -43,8 +43,8 @@ def test_zero3_gathers_one_leaf_block_in_the_first_step_and_keeps_everything_in_
     units = _units()
     bufs = ZeroBuffers(reduce_bucket_size=10**9, param_persistence_threshold=100)
     est = estimate_peak(units, Setup(0, 3), world=4, precision="fp32", buffers=bufs)
-    first = next(t for t in est.first.backward if t.name.startswith("backward working set"))
-    steady = next(t for t in est.steady.backward if t.name.startswith("backward working set"))
+    first = next(t for t in est.first.backward if t.name.startswith("working set"))
+    steady = next(t for t in est.steady.backward if t.name.startswith("working set"))
     # First step (no trace): at most one module gathered. The leaf block is gathered with all its
     # experts (2 x 8000 elements, 4 bytes), and its gradients (all three tensors) exist at once.
     assert "layers.0.mlp" in first.name or "layers.1.mlp" in first.name
@@ -73,7 +73,7 @@ def test_the_epilogue_reduce_scatter_copies_the_bucket_and_gloo_once_more():
     for backend in ("nccl", "gloo"):
         est = estimate_peak(units, Setup(0, 3), world=4, precision="fp32", buffers=ZeroBuffers.strategy(),
                             backend=backend)
-        ends[backend] = next(t for t in est.steady.backward if t.name.startswith("backward working set"))
+        ends[backend] = next(t for t in est.steady.backward if t.name.startswith("working set"))
     assert "epilogue" in ends["gloo"].name and ends["gloo"].resident == 2 * total
     assert ends["nccl"].resident < ends["gloo"].resident
 
@@ -86,7 +86,7 @@ def test_expert_parallelism_splits_the_bucket_and_skips_unpartitioned_experts():
     # expert and dense gradients reduce in different groups: the bucket never holds both
     assert bucket.resident == 4 * max(2 * 4000, 1000 + 10 + 1000 + 10 + 10)
     # world / ep_size = 1: expert tensors are not partitioned, so never gathered
-    first = next(t for t in est.first.backward if t.name.startswith("backward working set"))
+    first = next(t for t in est.first.backward if t.name.startswith("working set"))
     assert "mlp" in first.name or "lm_head" in first.name
 
 

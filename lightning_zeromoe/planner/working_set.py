@@ -16,9 +16,16 @@ parameter gathered in forward stays gathered until its backward: a model under ~
 gathered whole at the end of the forward. Adam's states are created at the first ``step()``; the
 gradient buckets are written during the first backward and stay resident.
 
-The backward is walked module by module (reverse of forward): at each one the rank holds the
-parameters still gathered, the activations of the layers not yet back-propagated, the bucket so
-far and the module's full-size gradients before they are copied into the bucket.
+The forward and the backward are walked module by module; at each point the rank holds the
+parameters still gathered, the activations not yet consumed, the bucket so far and the module's
+full-size gradients before they reach the bucket. Rules that matter at tens of MB (each measured,
+``benchmarks/peak_memory.py``): a coalesced all-gather's flat buffer lives next to the parameter
+copies made from it (``partition_parameters.py::AllGatherCoalescedHandle.wait``), and in a steady
+step the prefetch gathers the next modules in one such buffer; in the first step, gathered expert
+tensors indexed per expert stay alive through autograd's saved views until their backward (ZeRO-3's
+release only swaps ``param.data``); the bucket's flush is copied once more by
+``reduce_scatter_coalesced`` (and once again by gloo, which has no native reduce-scatter); stages
+1/2 allocate their two buckets afresh each backward and free gradients before the optimizer runs.
 """
 
 from __future__ import annotations
@@ -101,7 +108,8 @@ class PhasePeak:
 
     @property
     def where(self) -> str:
-        parts = {"backward": self.backward, "step, before the optimizer": self.step, "optimizer update": self.update}
+        parts = {"forward or backward": self.backward, "step, before the optimizer": self.step,
+                 "optimizer update": self.update}
         return max(parts, key=lambda k: sum(t.resident for t in parts[k]))
 
     def rows(self) -> list[str]:
@@ -201,15 +209,14 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
         held.append(Term("gradient partitions", st.grads, st.grads,
                          "stage3.py::create_reduce_and_remove_grad_hooks grad_partitions_flat_buffer (zeros at init)"))
     # ---- gradient buckets
-    order = [(n, "expert" if e and ep_size > 1 else "dense")
-             for sizes, u in zip(reversed(local), reversed(units)) for n, e in zip(reversed(sizes), reversed(u.expert))]
+    per_unit = [[(n, "expert" if e and ep_size > 1 else "dense") for n, e in zip(reversed(sizes), reversed(u.expert))]
+                for sizes, u in zip(reversed(local), reversed(units))]  # gradients in backward order
+    order = [grad for grads in per_unit for grad in grads]
     nbuf = 1 if stage == 3 else (2 if buffers.overlap_comm else 1)
     fill = _bucket_fill(order, buffers.reduce_bucket_size, stage == 3, nbuf) if buffers.contiguous_gradients else [0]
     # stage3.py::__reduce_and_partition_ipg_grads -> __avg_scatter_grads (reduce_scatter is on by
     # default) -> comm/coalesced_collectives.py::reduce_scatter_coalesced: torch.cat of the bucket's
     # gradients, padded per rank: one more copy of what is flushed, while the bucket still holds it.
-    per_unit = [[(n, "expert" if e and ep_size > 1 else "dense") for n, e in zip(reversed(sizes), reversed(u.expert))]
-                for sizes, u in zip(reversed(local), reversed(units))]
     flushes = _flush_points(per_unit, buffers.reduce_bucket_size) if stage == 3 else [0] * (len(units) + 1)
     copies = 2 if backend == "gloo" and world > 1 else 1
     bucket_alloc = (buffers.reduce_bucket_size * nbuf if buffers.contiguous_gradients else 0) * g
@@ -301,7 +308,7 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             kept.append(persist)
         hold.append(Term(bucket.name + " (allocated)", bucket.allocated, 0.0, bucket.rule))
         value, where = walk(steady)
-        walk_term = Term(f"backward working set ({where})", value, value,
+        walk_term = Term(f"working set ({where})", value, value,
                          "partitioned_param_coordinator.py::fetch_sub_module/release_sub_module"
                          + ("/__params_to_release (trace complete)" if steady else " (no trace: release each module)")
                          + "; activations; autograd gradients before reduce_independent_p_g_buckets_and_remove_grads")
