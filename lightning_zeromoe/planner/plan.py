@@ -70,14 +70,16 @@ class Plan:
                        f"offload_parameters={offload_parameters} in this plan")
 
     def device_bytes(self, setup: Setup) -> float:
-        """Model states + activations (if estimated) + communication buckets, per GPU."""
+        """Model states + activations (if estimated) + communication buckets, per GPU; with a model
+        and a batch shape, the modelled peak of the first or a steady step (:meth:`peak`)."""
+        peak = self.peak(setup)
+        if peak is not None:
+            return max(peak.first.allocated, peak.steady.allocated)
         act = self.activations.total if self.activations else 0.0
         return self.estimates[setup].device_total + act + self.buffer_bytes
 
     def fits(self, setup: Setup) -> bool:
-        peak = self.peak(setup)
-        need = max(peak.first.allocated, peak.steady.allocated) if peak else self.device_bytes(setup)
-        if need > self.usable_bytes:
+        if self.device_bytes(setup) > self.usable_bytes:
             return False
         if self.host_memory_bytes is not None:
             return self.estimates[setup].host * self.gpus_per_node <= self.host_memory_bytes
