@@ -15,9 +15,14 @@ Each case writes, per rank, bytes over the baseline:
   and ``malloc_trim``. Anonymous memory only: file pages (shared libraries) are not what a
   device would hold.
 * ``held_<step>``: anonymous memory just before that step;
-* ``peak_<step>``: the kernel's high-water mark of the resident set during the step (``VmHWM``,
-  reset through ``/proc/self/clear_refs`` before it: exact, no sampling), minus the file and shared
-  pages resident at the end of the step.
+* ``forward_<step>``, ``backward_<step>``, ``step_<step>``: the kernel's high-water mark of the
+  resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` at each mark: exact, no sampling)
+  from the start of the step to ``on_before_backward``, to ``on_after_backward``, and to the end of
+  the optimizer step, minus the file and shared pages resident at that mark; ``peak_<step>`` is their
+  maximum.
+* ``new_modules_<step>``: modules imported since the baseline (the warm-up imports the ones the first
+  engine build would, ~45 MB; what is left shows here). ``PEAK_DEBUG=1`` adds the largest live
+  tensors, the module names, and the resident set at each layer's forward and backward.
 
 The allocator: glibc is run with a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_``, set before the
 ranks start), so every tensor over 64 KiB is its own mapping, returned to the system when freed.
