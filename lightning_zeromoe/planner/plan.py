@@ -53,7 +53,9 @@ class Plan:
             return None
         return estimate_peak(self.units, setup, world=self.num_gpus, ep_size=self.ep_size, precision=self.precision,
                              buffers=self.zero_buffers, activation_per_layer=self.activations.per_layer,
-                             activation_logits=self.activations.logits, optimizer_bytes=self.optimizer_bytes)
+                             activation_logits=self.activations.logits, optimizer_bytes=self.optimizer_bytes,
+                             activation_kept_per_layer=(None if self.activations.kept_per_layer == self.activations.per_layer
+                                                        else self.activations.kept_per_layer))
 
     @property
     def usable_bytes(self) -> float:

@@ -172,10 +172,13 @@ def _flush_points(units_grads: list[list[tuple[int, str]]], bucket: int) -> list
 def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep_size: int = 1,
                   precision: str = "bf16", buffers: ZeroBuffers = ZeroBuffers(), activation_per_layer: float = 0.0,
                   activation_logits: float = 0.0, num_layers: int | None = None,
-                  optimizer_bytes: int = 8, backend: str = "nccl") -> PeakEstimate:
+                  optimizer_bytes: int = 8, backend: str = "nccl",
+                  activation_kept_per_layer: float | None = None) -> PeakEstimate:
     """Per-rank peak of the first and a steady step for ``setup`` (no offload modelled beyond the
     states), from the model's gather units in forward order. Activations: per decoder layer and
-    the loss's logits (:func:`memory.estimate_activations`), both in bytes. ``backend``: ``"gloo"``
+    the loss's logits (:func:`memory.estimate_activations`), both in bytes; with activation
+    checkpointing, ``activation_kept_per_layer`` is what a layer keeps (its input) and the full
+    ``activation_per_layer`` exists only during that layer's backward. ``backend``: ``"gloo"``
     has no native reduce-scatter, and its fallback holds one more copy of what is reduced."""
     precision = normalize_precision(precision)
     p, g, _ = _PRECISION_BYTES[precision]
@@ -236,7 +239,9 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             retained[i] = 2 * after < buffers.max_reuse_distance
             after += gatherable[i]
 
-    part2 = st.grads if stage == 2 else 0.0  # stage_1_and_2.py::copy_grads_in_partition, first backward
+    # written by the end of the backward besides the bucket: stage 2's partition
+    # (stage_1_and_2.py::copy_grads_in_partition); stage 1's gradients beyond the bucket
+    part2 = st.grads if stage == 2 else max(0.0, st.grads - g * sum(fill)) if stage == 1 else 0.0
 
     # Gathered expert tensors are indexed per expert (fused 3-D layout: Hugging Face Mixtral, ours,
     # AutoEP's CPU loop); autograd saves those views, which keep the gathered storage alive after
@@ -248,9 +253,15 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
     coalesced = [sum(1 for n, e in zip(sizes, u.expert) if n > thr and group(e) > 1) > 1
                  for sizes, u in zip(local, units)]
 
+    ckpt = activation_kept_per_layer is not None
+    kept_act = activation_kept_per_layer if ckpt else activation_per_layer
+    if ckpt:  # checkpointed layers drop the saved views too; their recompute gathers again
+        viewed = [0.0] * len(units)
+
     def acts_before(i: int, inclusive: bool) -> float:
         n = sum(1 for layer in range(layers) if (layer <= pos[i] if inclusive else layer < pos[i]))
-        return activation_per_layer * n + (activation_logits if inclusive and pos[i] >= layers else 0.0)
+        recompute = activation_per_layer if ckpt and inclusive and 0 <= pos[i] < layers else 0.0
+        return kept_act * n + recompute + (activation_logits if inclusive and pos[i] >= layers else 0.0)
 
     def grads_of(i: int) -> float:
         """Autograd's full-size gradients of one module before they reach the bucket: its largest
@@ -266,16 +277,17 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             # partitioned_param_coordinator.py::_fetch_sub_module_impl prefetches the next modules'
             # parameters in one coalesced gather of up to stage3_prefetch_bucket_size elements; its
             # buffer lives until the last of them is fetched, next to their copies.
-            chunk = min(sum(gatherable[1:]), buffers.prefetch_bucket_size + max(gatherable, default=0),
-                        buffers.max_live_parameters)
+            largest = max((n for sizes, u in zip(local, units) for n, e in zip(sizes, u.expert)
+                            if n > thr and group(e) > 1), default=0)  # the loop adds whole parameters
+            chunk = min(sum(gatherable[1:]), buffers.prefetch_bucket_size + largest, buffers.max_live_parameters)
             gathered = p * sum(n for n, keep in zip(gatherable, retained) if keep)
-            points.append((gathered + p * chunk + activation_per_layer * layers, "forward, prefetch buffer alive"))
+            points.append((gathered + p * chunk + kept_act * layers, "forward, prefetch buffer alive"))
         else:
             gathered = 0.0
             for i in range(len(units)):  # first step: one module at a time, views kept by autograd
                 fetch = p * gatherable[i] * (2 if coalesced[i] else 1)
                 points.append((sum(viewed[:i]) + fetch + acts_before(i, False), f"forward of {units[i].name}"))
-        points.append((gathered + (sum(viewed) if not steady else 0.0) + activation_per_layer * layers
+        points.append((gathered + (sum(viewed) if not steady else 0.0) + kept_act * layers
                        + activation_logits, "end of forward"))
         so_far = 0
         for k, i in enumerate(reversed(range(len(units)))):
@@ -301,6 +313,11 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
         # Held from the first backward on (written during it): the bucket's filled part, stage 2's
         # gradient partition, stage 3's persistent parameters (gathered at first use, never released).
         kept = [Term(bucket.name, 0.0, bucket.resident, bucket.rule)]
+        if stage == 1 and part2:
+            # a model larger than the buckets: stage 1 keeps every reduced gradient until step()
+            # (the states' full gradients; measured between the stage-2 partition and this figure)
+            kept.append(Term("gradients beyond the bucket", part2, part2,
+                             "stage_1_and_2.py (partition_gradients=False): gradients kept until step()"))
         if stage == 2:
             kept.append(Term("gradient partition", st.grads, st.grads,
                              "stage_1_and_2.py::copy_grads_in_partition grads_in_partition (first backward)"))
