@@ -78,6 +78,18 @@ def test_the_epilogue_reduce_scatter_copies_the_bucket_and_gloo_once_more():
     assert ends["nccl"].resident < ends["gloo"].resident
 
 
+def test_activation_checkpointing_keeps_each_layers_input_only():
+    units = _units(dense=200_000, expert=400_000)  # over the persistence threshold: gathered
+    common = dict(world=4, precision="fp32", buffers=ZeroBuffers.strategy(), activation_per_layer=10**8)
+
+    def work(phase):
+        return next(t for t in phase.backward if t.name.startswith("working set")).resident
+
+    full, ckpt = (estimate_peak(units, Setup(0, 3), activation_kept_per_layer=kept, **common) for kept in (None, 10**4))
+    # 2 layers keep 1e8 B each without checkpointing; with it, 1e4 each and one layer recomputed
+    assert work(full.steady) - work(ckpt.steady) == pytest.approx(2 * 10**8 - (2 * 10**4 + 10**8), rel=0.05)
+
+
 def test_expert_parallelism_splits_the_bucket_and_skips_unpartitioned_experts():
     units = _units()
     bufs = ZeroBuffers(reduce_bucket_size=10**9, param_persistence_threshold=100)
