@@ -73,3 +73,53 @@ def moe_transformer_counts(*, vocab_size: int, hidden_size: int, num_layers: int
 #: Mixtral-8x7B (``mistralai/Mixtral-8x7B-v0.1`` config.json): 46,702,792,704 parameters.
 MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                     ffn_hidden_size=14336, num_experts=8)
+
+
+# ------------------------------------------------------------------------- modules, for the working set
+
+@dataclass(frozen=True)
+class GatherUnit:
+    """The parameters ZeRO-3 gathers together: one module's own parameters, or all of a leaf
+    module's (``set_z3_leaf_module``: a MoE block trained without EP, all experts at once).
+    Sizes are whole tensors (experts: all ``num_experts``, before expert parallelism splits them)."""
+
+    name: str
+    sizes: tuple[int, ...]
+    expert: tuple[bool, ...]
+    leaf: bool = False
+    #: Decoder layer index parsed from the name (``layers.3.``), None outside the layers.
+    layer: int | None = None
+
+    def local(self, ep_size: int) -> tuple[int, ...]:
+        """Tensor sizes on one rank: expert tensors split over ``ep_size`` ranks."""
+        return tuple(n // ep_size if e else n for n, e in zip(self.sizes, self.expert))
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("layers", "layer", "h", "blocks") and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def gather_units(model: Any, is_leaf: Callable[[str, Any], bool] = lambda name, module: False,
+                 is_expert: Callable[[str], bool] = is_expert_param) -> tuple[GatherUnit, ...]:
+    """``model``'s gather units in module (forward) order; trainable parameters only, tied ones once."""
+    units, seen, skip = [], set(), None
+    for name, module in model.named_modules():
+        if skip is not None and name.startswith(skip):
+            continue
+        leaf = bool(name) and is_leaf(name, module)
+        skip = name + "." if leaf else None
+        params = module.named_parameters(recurse=leaf) if leaf else module.named_parameters(recurse=False)
+        sizes, expert = [], []
+        for pname, param in params:
+            if id(param) in seen or not getattr(param, "requires_grad", True):
+                continue
+            seen.add(id(param))
+            sizes.append(int(math.prod(getattr(param, "ds_shape", None) or param.shape)))
+            expert.append(is_expert(f"{name}.{pname}" if name else pname))
+        if sizes:
+            units.append(GatherUnit(name, tuple(sizes), tuple(expert), leaf, _layer_index(name)))
+    return tuple(units)

@@ -118,6 +118,9 @@ class ActivationEstimate:
     logits: float
     total: float
     formula: str
+    #: What each layer keeps between its forward and its backward: ``per_layer``, or with
+    #: activation checkpointing its input only (the rest is recomputed during its backward).
+    kept_per_layer: float | None = None
 
 
 def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, num_layers: int,
@@ -131,9 +134,11 @@ def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, nu
     per_layer = scale * (attention + moe)
     logits = 4.0 * s * b * vocab_size
     if activation_checkpointing:
-        total = scale * 2 * s * b * h * num_layers + per_layer + logits
+        kept = scale * 2 * s * b * h
+        total = kept * num_layers + per_layer + logits
         formula = "L*2sbh (checkpointed inputs) + one layer's activations + 4sbV"
     else:
+        kept = per_layer
         total = per_layer * num_layers + logits
         formula = "L*(15sbh" + ("" if flash_attention else " + 5as^2b") + " + k*sb(2h+8f)) + 4sbV"
-    return ActivationEstimate(per_layer=per_layer, logits=logits, total=total, formula=formula)
+    return ActivationEstimate(per_layer=per_layer, logits=logits, total=total, formula=formula, kept_per_layer=kept)

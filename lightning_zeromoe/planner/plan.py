@@ -9,6 +9,8 @@ from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, _states, estimate_activations
 from lightning_zeromoe.planner.step_time import Hardware, StepTime, format_seconds
+from lightning_zeromoe.planner.counts import GatherUnit, gather_units
+from lightning_zeromoe.planner.working_set import PeakEstimate, ZeroBuffers, estimate_peak
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,21 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: Predicted seconds per optimizer step for every setup (:mod:`~lightning_zeromoe.planner.step_time`).
     step_times: dict[Setup, StepTime] = field(default_factory=dict)
+    #: The model's ZeRO-3 gather units (when a model was given) and the bucket/threshold settings:
+    #: with them and an activation estimate, :meth:`peak` models the step's working set.
+    units: tuple[GatherUnit, ...] = ()
+    zero_buffers: ZeroBuffers = field(default_factory=ZeroBuffers.strategy)
+
+    def peak(self, setup: Setup) -> PeakEstimate | None:
+        """Per-rank peak of the first and a steady step (:mod:`.working_set`), or None without a
+        model's modules or without an activation estimate (micro_batch and seq_len)."""
+        if not self.units or self.activations is None:
+            return None
+        return estimate_peak(self.units, setup, world=self.num_gpus, ep_size=self.ep_size, precision=self.precision,
+                             buffers=self.zero_buffers, activation_per_layer=self.activations.per_layer,
+                             activation_logits=self.activations.logits, optimizer_bytes=self.optimizer_bytes,
+                             activation_kept_per_layer=(None if self.activations.kept_per_layer == self.activations.per_layer
+                                                        else self.activations.kept_per_layer))
 
     @property
     def usable_bytes(self) -> float:
@@ -58,9 +75,21 @@ class Plan:
                        f"offload_parameters={offload_parameters} in this plan")
 
     def device_bytes(self, setup: Setup) -> float:
-        """Model states + activations (if estimated) + communication buckets, per GPU."""
+        """Model states + activations (if estimated) + communication buckets, per GPU; with a model
+        and a batch shape, the modelled peak of the first or a steady step (:meth:`peak`)."""
+        peak = self.peak(setup)
+        if peak is not None:
+            return max(peak.first.allocated, peak.steady.allocated)
         act = self.activations.total if self.activations else 0.0
         return self.estimates[setup].device_total + act + self.buffer_bytes
+
+    @property
+    def memory_basis(self) -> str:
+        """What :meth:`device_bytes` counts, in words."""
+        if self.units and self.activations is not None:
+            return "modelled peak of the first or a steady step (states, ZeRO working set, buffers, activations)"
+        return ("model states" + (" + activations" if self.activations else " (no activation estimate: "
+                "pass micro_batch and seq_len)") + " + buckets")
 
     def fits(self, setup: Setup) -> bool:
         if self.device_bytes(setup) > self.usable_bytes:
@@ -73,8 +102,7 @@ class Plan:
         """The fastest setup that fits (predicted step time, :attr:`step_times`); among equal times
         the least aggressive (stage 1 < 2 < 3 < offload). The reason gives its memory per GPU, its
         predicted step time and the runner-up's. ``on_device_only``: offload setups are not candidates."""
-        what = ("model states" + (" + activations" if self.activations else " (no activation estimate: "
-                "pass micro_batch and seq_len)") + " + buckets")
+        what = self.memory_basis
         rejected, fitting = [], []
         for setup in sorted(self.estimates):
             if on_device_only and setup.offload_optimizer:
@@ -138,15 +166,15 @@ class Plan:
         return f" You asked for {req.label}: it fits, but {best.label} is predicted faster."
 
     def table(self) -> str:
-        """Markdown table, GB (10^9 bytes) per GPU."""
-        act = self.activations.total if self.activations else 0.0
-        rows = ["| setup | params | grads | fp32 master | optimizer | model states | + act. + buckets "
+        """Markdown table, GB (10^9 bytes) per GPU; the last memory column is :meth:`device_bytes`."""
+        rows = ["| setup | params | grads | fp32 master | optimizer | model states | "
+                + ("peak" if self.units and self.activations is not None else "+ act. + buckets") + " "
                 "| host per GPU | fits |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for setup in sorted(self.estimates):
             e = self.estimates[setup]
             rows.append(f"| {setup.label} | {_gb(e.params)} | {_gb(e.grads)} | {_gb(e.master)} | {_gb(e.optimizer)} | "
-                        f"{_gb(e.device_total)} | {_gb(e.device_total + act + self.buffer_bytes)} | {_gb(e.host)} | "
+                        f"{_gb(e.device_total)} | {_gb(self.device_bytes(setup))} | {_gb(e.host)} | "
                         f"{'yes' if self.fits(setup) else 'no'} |")
         return "\n".join(rows)
 
@@ -212,7 +240,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          optimizer_bytes: int = 8, bucket_elements: int = 50_000_000, headroom: float = 0.10,
          host_memory_bytes: float | None = None, counts: ParamCounts | None = None,
          is_expert: Callable[[str], bool] = is_expert_param, hardware: Hardware | None = None,
-         accumulation: int = 1, moe_layers: int | None = None) -> Plan:
+         accumulation: int = 1, moe_layers: int | None = None, zero_config: dict[str, Any] | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -278,6 +306,11 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             top_k=pick(top_k, "num_experts_per_tok", "top_k"), vocab_size=pick(vocab_size, "vocab_size"),
             precision=precision, flash_attention=flash_attention,
             activation_checkpointing=activation_checkpointing)
+    units: tuple[GatherUnit, ...] = ()
+    if model is not None and hasattr(model, "named_modules"):
+        # At ep_size=1 the strategy registers each MoE block (a module with an ``experts`` child) as a leaf.
+        units = gather_units(model, lambda name, module: ep_size == 1 and hasattr(module, "experts"), is_expert)
+    zero_buffers = ZeroBuffers.from_config(zero_config) if zero_config else ZeroBuffers.strategy()
     p, g, _ = _PRECISION_BYTES[precision]
     buffers = bucket_elements * (p + g)  # one reduce bucket (gradients) + one gather/prefetch bucket
     times = _step_times(model, counts, world=num_gpus, gpus_per_node=gpus_per_node, ep_size=ep_size,
@@ -289,7 +322,8 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
     return Plan(counts=counts, num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
                 precision=precision, ep_size=ep_size, optimizer_bytes=optimizer_bytes, estimates=estimates,
                 activations=activations, buffer_bytes=float(buffers), headroom=headroom,
-                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes), step_times=times)
+                host_memory_bytes=host_memory_bytes, requested=requested, notes=tuple(notes), step_times=times,
+                units=units, zero_buffers=zero_buffers)
 
 
 def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: int, device_memory_bytes: float,
