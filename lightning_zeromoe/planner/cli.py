@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_zeromoe.knowledge import say
-from lightning_zeromoe.planner.counts import ParamCounts, count_params, is_expert_param
+from lightning_zeromoe.planner.counts import GatherUnit, ParamCounts, count_params, gather_units, is_expert_param
 from lightning_zeromoe.planner.plan import Plan, mixtral_report, plan
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
 from lightning_zeromoe.planner.step_time import format_seconds
@@ -61,6 +61,13 @@ class ModelFacts:
     param_order: tuple[tuple[int, bool, str], ...] = ()
     #: Size of one attention head (``head_dim``, or hidden / heads): attention FLOPs use heads x head_dim.
     head_dim: int = 0
+    #: ZeRO-3's gather units (:func:`~lightning_zeromoe.planner.counts.gather_units`) at ``ep_size`` 1,
+    #: where each MoE block is one leaf module, and with expert parallelism: for the modelled peak.
+    units_leaf: tuple[GatherUnit, ...] = ()
+    units_ep: tuple[GatherUnit, ...] = ()
+
+    def units(self, ep_size: int) -> tuple[GatherUnit, ...]:
+        return self.units_leaf if ep_size == 1 else self.units_ep
 
 
 def load_config(config_path: str | None = None, model_type: str | None = None) -> Any:
@@ -122,7 +129,9 @@ def model_facts(config: Any) -> ModelFacts:
                       param_order=tuple((p.numel(), is_expert_param(n), n.rpartition(".")[0])
                                         for n, p in model.named_parameters() if p.requires_grad),
                       head_dim=getattr(text, "head_dim", None) or first(("hidden_size", "d_model"))
-                      // first(("num_attention_heads",)))
+                      // first(("num_attention_heads",)),
+                      units_leaf=gather_units(model, lambda name, module: hasattr(module, "experts")),
+                      units_ep=gather_units(model))
 
 
 def _transformers_version() -> str:
@@ -176,7 +185,8 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
                  micro_batch=args.micro_batch, seq_len=args.seq_len, hidden_size=facts.hidden_size,
                  num_layers=facts.num_layers, num_heads=facts.num_heads, ffn_hidden_size=facts.expert_ffn,
                  top_k=facts.top_k, vocab_size=facts.vocab_size, num_experts=facts.num_experts,
-                 activation_checkpointing=args.activation_checkpointing, bucket_elements=args.bucket_size)
+                 activation_checkpointing=args.activation_checkpointing, bucket_elements=args.bucket_size,
+                 units=facts.units(ep))
         for setup in LADDER:
             shape = CommShape(counts=facts.counts, stage=setup.stage, world=args.gpus, ep_size=ep,
                               precision=args.precision, top_k=facts.top_k, hidden_size=facts.hidden_size,
@@ -218,7 +228,7 @@ def table(rows: list[Row]) -> str:
     """Markdown: per-GPU GB (10^9 bytes) and predicted GB per optimizer step passed to collectives
     (gradient reductions, parameter gathers, AutoEP's all-to-all; the total adds the few bytes of
     norms and flags). Offload rows appear for an ep_size only when no on-device setup fits there."""
-    out = ["| ep_size | setup | model states | + act. + buckets | fits | comm/step: grads | params | all-to-all "
+    out = ["| ep_size | setup | model states | peak | fits | comm/step: grads | params | all-to-all "
            "| total | step time |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for ep in sorted({r.ep_size for r in rows}):
         mine = [r for r in rows if r.ep_size == ep]

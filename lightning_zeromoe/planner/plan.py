@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -240,7 +242,8 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          optimizer_bytes: int = 8, bucket_elements: int = 50_000_000, headroom: float = 0.10,
          host_memory_bytes: float | None = None, counts: ParamCounts | None = None,
          is_expert: Callable[[str], bool] = is_expert_param, hardware: Hardware | None = None,
-         accumulation: int = 1, moe_layers: int | None = None, zero_config: dict[str, Any] | None = None) -> Plan:
+         accumulation: int = 1, moe_layers: int | None = None, zero_config: dict[str, Any] | None = None,
+         units: tuple[GatherUnit, ...] | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -306,11 +309,13 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             top_k=pick(top_k, "num_experts_per_tok", "top_k"), vocab_size=pick(vocab_size, "vocab_size"),
             precision=precision, flash_attention=flash_attention,
             activation_checkpointing=activation_checkpointing)
-    units: tuple[GatherUnit, ...] = ()
-    if model is not None and hasattr(model, "named_modules"):
+    units = tuple(units or ())
+    if not units and model is not None and hasattr(model, "named_modules"):
         # At ep_size=1 the strategy registers each MoE block (a module with an ``experts`` child) as a leaf.
         units = gather_units(model, lambda name, module: ep_size == 1 and hasattr(module, "experts"), is_expert)
-    zero_buffers = ZeroBuffers.from_config(zero_config) if zero_config else ZeroBuffers.strategy()
+    zero_buffers = (ZeroBuffers.from_config(zero_config) if zero_config else
+                    dataclasses.replace(ZeroBuffers.strategy(), reduce_bucket_size=bucket_elements,
+                                        allgather_bucket_size=bucket_elements))
     p, g, _ = _PRECISION_BYTES[precision]
     buffers = bucket_elements * (p + g)  # one reduce bucket (gradients) + one gather/prefetch bucket
     times = _step_times(model, counts, world=num_gpus, gpus_per_node=gpus_per_node, ep_size=ep_size,
