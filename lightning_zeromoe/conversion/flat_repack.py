@@ -27,9 +27,9 @@ from torch import nn
 from lightning_zeromoe.discovery.flat_experts import EXPERTS_ALIAS, FLAT, partitioned, show_2d, show_3d, viewed_3d
 from lightning_zeromoe._private import torch as torch_private
 
-PARTITIONED = ("its experts are 2-D [E * ffn, hidden] tensors that were ZeRO-3 partitioned when the model was built "
-               "(zero.Init), and the exact 3-D view AutoEP reads needs their data whole; build the model outside "
-               "zero.Init (not in configure_model) to train it with expert parallelism")
+PARTITIONED = ("its experts are 2-D [E * ffn, hidden] tensors, ZeRO-3 partitioned when the model was built "
+               "(zero.Init), and the exact 3-D view AutoEP 0.19.8 reads needs their data whole (the same model "
+               "built outside zero.Init converts)")
 
 
 def _flat(blocks: list[Any]) -> list[Any]:
