@@ -176,8 +176,9 @@ def test_dbrx_flattened_experts_convert_through_exact_views_and_come_back_when_r
     assert found.autoep["expert_pattern"] == "zeromoe_experts" and found.autoep["route_norm"] is True
     mlp = root.get_submodule(f"{found.blocks[0].path}.experts.mlp")
     before = {n: (getattr(mlp, n), getattr(mlp, n).detach().clone()) for n in ("w1", "v1", "w2")}
-    checked, checks = check_conversion(root, found)
+    checked, checks = check_conversion(root, found, expert_grads=True)  # per-expert gradient norms compared too
     assert all(c.passed for c in checks) and len(checked.blocks) == 2, [c.detail for c in checks]
+    assert all("expert_grads" in c.report.errors for c in checks)
     assert mlp.w1.shape == (4, 96, 64) and mlp.w2.shape == (4, 64, 96)  # left as AutoEP's views for initialize
     assert all(getattr(mlp, n) is p for n, (p, _) in before.items())
     wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": False})

@@ -178,7 +178,7 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
             grouped = bool(probe_section.get("use_grouped_mm"))
             experts = grouped if expert_grads is None else expert_grads
             original = Side(block, parameter_name(block, router),
-                            expert_weight_names(block, spec.experts_name, num_experts) if experts else (),
+                            _own_expert_weights(block, block_info, spec.experts_name, num_experts) if experts else (),
                             recorded_by(router_logit_recorders(root)))
             converted = Side(layer, "router.gate.weight",
                              expert_weight_names(layer, "experts", num_experts) if experts else (),
@@ -195,6 +195,15 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
     finally:
         _release(layer)
     return _verdict(block_info.path, report, tol)
+
+
+def _own_expert_weights(block: nn.Module, block_info: MoEBlock, experts: str, num_experts: int) -> tuple[str, ...]:
+    """The original block's expert weights: ``[E, ...]`` tensors, or DBRX's ``[E * ffn, hidden]`` ones (their
+    rows are expert-major, so per-expert gradient norms compare with AutoEP's)."""
+    layout = block_info.layout
+    if layout is not None and layout.storage == flat_repack.FLAT:
+        return tuple(f"{layout.experts}.{w}" for w in (layout.w1, layout.w3, layout.w2))
+    return expert_weight_names(block, experts, num_experts)
 
 
 def _counts(layer: nn.Module) -> torch.Tensor | None:

@@ -81,4 +81,4 @@ def settle(root: nn.Module, blocks: list[Any], converted: set[str]) -> None:
         torch_private.child_table(module).pop(EXPERTS_ALIAS, None)
 
 
-__all__ = ["PARTITIONED", "for_autoep", "install", "settle", "unviewable"]
+__all__ = ["FLAT", "PARTITIONED", "for_autoep", "install", "settle", "unviewable"]
