@@ -9,7 +9,7 @@ kept for EP, and every other MoE block is a ZeRO-3 leaf module; every family's t
 saved with ``trainer.save_checkpoint`` and exported with ``zeromoe-export``'s function, loads
 with ``AutoModelForCausalLM.from_pretrained`` with no missing, unexpected or mismatched key and
 gives the logits ``trainer.validate`` computed after fit (so validate after fit runs for every
-family too). Four families (``RESUMED``) are also resumed from that checkpoint in a new
+family too). Six families (``RESUMED``) are also resumed from that checkpoint in a new
 Trainer with ``ep_size=1`` and other initial weights, and continue the plain run. The tiny models
 carry non-zero routing biases, as pretrained ones do. In the same launch, a second, short pass skews
 the routers per rank (rank 0's tokens to the first experts, rank 1's to the last) under ep_size=1
@@ -50,8 +50,9 @@ TIMEOUT_S = 900
 #: Resumed from their ep_size=2 checkpoint without expert parallelism (ds_to_universal, AutoEP
 #: names back to the model's own): a nested router (HunYuan's gate.wg), a frozen routing bias
 #: (AFMoE's expert_bias, which the universal checkpoint drops), a buffer bias with shared experts
-#: (DeepSeek-V3), a gated shared expert (Qwen2-MoE).
-RESUMED = ("hunyuan_v1_moe", "afmoe", "deepseek_v3", "qwen2_moe")
+#: (DeepSeek-V3), a gated shared expert (Qwen2-MoE), DBRX's 2-D [E*ffn, hidden] experts (AutoEP's
+#: 3-D w1/w3/w2 back to w1/v1/w2) and ERNIE-4.5's [1, E] bias (AutoEP's [E] back to [1, E]).
+RESUMED = ("hunyuan_v1_moe", "afmoe", "deepseek_v3", "qwen2_moe", "dbrx", "ernie4_5_moe")
 #: A subset for a short run, e.g. ``ZEROMOE_ZOO_ARCHS="mixtral qwen3_moe"`` (CI's smoke run on the
 #: oldest supported transformers): only those families, no README comparison.
 SELECTED = tuple(os.environ.get("ZEROMOE_ZOO_ARCHS", "").split()) or ARCHS

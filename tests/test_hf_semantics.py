@@ -115,7 +115,8 @@ def test_structure_finds_blocks_under_any_name_with_the_models_own_names() -> No
 
 
 @pytest.mark.parametrize("arch, reason", [
-    ("gpt_oss", "experts have biases"), ("phimoe", "SparseMixer"), ("dbrx", "flattened 2-D")])
+    ("gpt_oss", "experts add biases"), ("phimoe", "SparseMixer"), ("deepseek_v4", "sqrtsoftplus"),
+    ("inkling2_text", "softcapped by tanh"), ("inkling_text", "also scores its shared experts")])
 def test_what_autoep_cannot_express_falls_back_with_a_reason(arch: str, reason: str) -> None:
     root = _Holder(build(arch))
     found = discover(root)
@@ -161,3 +162,61 @@ def test_nested_router_is_shown_to_autoep_by_an_alias_that_leaves_with_a_failed_
     failed, _ = check_conversion(root, wrong)
     assert not failed.blocks and "zeromoe_router" not in dict(block.named_children())
     assert not any("zeromoe_router" in k for k in root.state_dict())
+
+
+def test_dbrx_flattened_experts_convert_through_exact_views_and_come_back_when_refused() -> None:
+    """DBRX keeps w1/v1/w2 as [E * ffn, hidden]: shown to AutoEP as 3-D views of the same parameters
+    (no copy, so the optimizer's parameters are AutoEP's sources), the probe passes; a block refused
+    gets its own 2-D tensors back (same storage) and no alias."""
+    from lightning_zeromoe.checkpoint.autoep_names import fuse_experts, names_of_block, split_experts
+    from lightning_zeromoe.checkpoint.autoep_names import BlockNames
+
+    root = _Holder(build("dbrx"))
+    found = discover(root)
+    layout = found.blocks[0].layout
+    assert (layout.experts, layout.w1, layout.w3, layout.w2, layout.storage) == ("experts.mlp", "w1", "v1", "w2",
+                                                                                  "flattened_2d")
+    assert found.autoep["expert_pattern"] == "zeromoe_experts" and found.autoep["route_norm"] is True
+    mlp = root.get_submodule(f"{found.blocks[0].path}.experts.mlp")
+    before = {n: (getattr(mlp, n), getattr(mlp, n).detach().clone()) for n in ("w1", "v1", "w2")}
+    checked, checks = check_conversion(root, found, expert_grads=True)  # per-expert gradient norms compared too
+    assert all(c.passed for c in checks) and len(checked.blocks) == 2, [c.detail for c in checks]
+    assert all("expert_grads" in c.report.errors for c in checks)
+    assert mlp.w1.shape == (4, 96, 64) and mlp.w2.shape == (4, 64, 96)  # left as AutoEP's views for initialize
+    assert all(getattr(mlp, n) is p for n, (p, _) in before.items())
+    wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": False})
+    failed, _ = check_conversion(root, wrong)
+    assert not failed.blocks and "zeromoe_experts" not in dict(root.get_submodule(found.blocks[0].path).named_children())
+    for n, (p, value) in before.items():
+        assert getattr(mlp, n) is p and torch.equal(p, value)  # shape [E * ffn, hidden] and values as they were
+    names = names_of_block(layout, BlockNames())
+    own = {n: v for n, (_, v) in before.items()}
+    split = split_experts(own, names)
+    assert split["w2"].shape == (4, 64, 96) and torch.equal(split["w2"][1], own["w2"].view(4, 96, 64)[1].T)
+    back = fuse_experts(split["w1"], split["w2"], split["w3"], names, {})
+    assert all(torch.equal(back[n], own[n]) for n in own)
+
+
+def test_ernie_bias_of_shape_1_by_e_is_shown_to_autoep_as_e_and_comes_back_when_refused() -> None:
+    """ERNIE-4.5's e_score_correction_bias is [1, E]; AutoEP's router needs [E] (else 'Index tensor must
+    have the same number of dimensions'). Reshaped for the probe, it passes; a refused block gets its
+    own [1, E] parameter back."""
+    root = _Holder(build("ernie4_5_moe"))
+    found = discover(root)
+    statics = root.get_submodule(f"{found.blocks[0].path}.gate.moe_statics")
+    own = statics.e_score_correction_bias
+    assert own.shape == (1, 4) and bool(own.abs().sum() > 0)
+    checked, checks = check_conversion(root, found)
+    assert all(c.passed for c in checks) and checked.blocks, [c.detail for c in checks]
+    assert statics.e_score_correction_bias.shape == (4,) and torch.equal(statics.e_score_correction_bias, own[0])
+    statics.e_score_correction_bias = own  # as before the probe
+    wrong = dataclasses.replace(found, autoep={**found.autoep, "route_norm": False})
+    failed, _ = check_conversion(root, wrong)
+    assert not failed.blocks and statics.e_score_correction_bias is own
+
+
+def test_dots3_routes_with_sigmoid_as_deepseek_v3() -> None:
+    """dots3.note's config states no scoring_func; its router is DeepSeek-V3's (sigmoid). The softmax
+    default made the probe fail by 0.06."""
+    routing = routing_from_config(build("dots3_note_text").config)
+    assert not isinstance(routing, str) and routing.score_func == "sigmoid"

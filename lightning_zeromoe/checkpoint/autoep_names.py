@@ -20,6 +20,9 @@ from lightning_zeromoe.knowledge import say
 #: Knowledge-base entry for every refusal of a checkpoint that does not fit the run.
 ENTRY_ID = "resume-shape-unsupported"
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+#: ``BlockLayout.storage`` of experts kept as 2-D ``[E * ffn, hidden]`` tensors (DBRX;
+#: ``lightning_zeromoe.discovery.flat_experts.FLAT``).
+FLAT = "flattened_2d"
 
 
 class ResumeShapeError(RuntimeError):
@@ -47,6 +50,8 @@ class BlockNames:
     #: The block's own name for what AutoEP's router holds as ``e_score_correction_bias``
     #: (empty: ``<router>.e_score_correction_bias``, DeepSeek-V3's).
     score_bias: str = ""
+    #: Experts per block, for ``storage="flattened_2d"`` (DBRX's ``[E * ffn, hidden]`` tensors); 0 otherwise.
+    num_experts: int = 0
 
 
 def block_names(ep_section: Mapping[str, Any]) -> BlockNames:
@@ -77,12 +82,13 @@ def names_of_block(layout: Any, section: BlockNames) -> BlockNames:
     the layout has the real path (HunYuan's ``gate.wg``, AFMoE's ``router.gate``), the
     shared-expert modules and the score bias (AFMoE's ``expert_bias``) discovery found.
     """
-    storage = getattr(layout, "storage", "fused_3d")  # a per-expert module list is the block's own fact
+    storage = getattr(layout, "storage", "fused_3d")  # per-expert modules, flattened 2-D: the block's own fact
+    own_storage = storage in ("module_list", FLAT)
     return BlockNames(router=layout.router_linear, experts=layout.experts, w1=layout.w1, w2=layout.w2,
                       w3=layout.w3, shared=layout.shared_experts or section.shared,
                       shared_gate=layout.shared_experts_gate or section.shared_gate,
-                      storage=storage if storage == "module_list" else section.storage,
-                      score_bias=layout.score_bias or "")
+                      storage=storage if own_storage else section.storage,
+                      score_bias=layout.score_bias or "", num_experts=layout.num_experts if storage == FLAT else 0)
 
 
 def names_for(path: str, section: BlockNames, layouts: Mapping[str, Any] | None) -> BlockNames:
@@ -115,6 +121,10 @@ def fuse_experts(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, names: Bl
     """
     if names.storage == "module_list":
         return per_expert_tensors(w1, w2, w3, names)
+    if names.storage == FLAT:  # DBRX: [E * ffn, hidden] each; its down is AutoEP's w2 transposed per expert
+        hidden = w1.shape[-1]
+        return {names.w1: w1.reshape(-1, hidden), names.w3: w3.reshape(-1, hidden),
+                names.w2: w2.transpose(1, 2).reshape(-1, hidden)}
     if names.w3 is not None:
         return {names.w1: w1, names.w3: w3, names.w2: w2}
     num, ffn, hidden = w1.shape
@@ -162,6 +172,11 @@ def split_experts(tensors: Mapping[str, torch.Tensor], names: BlockNames) -> dic
             return {"w1": w1, "w2": w2, "w3": torch.stack([tensors[f"{i}.{names.w3}.weight"] for i in range(count)])}
         ffn = w1.shape[1] // 2
         return {"w1": w1[:, :ffn], "w2": w2, "w3": w1[:, ffn:]}
+    if names.storage == FLAT:  # the inverse of fuse_experts' flattened case
+        rows, hidden = tensors[names.w1].shape
+        shape = (names.num_experts, rows // names.num_experts, hidden)
+        return {"w1": tensors[names.w1].reshape(shape), "w3": tensors[names.w3].reshape(shape),
+                "w2": tensors[names.w2].reshape(shape).transpose(1, 2)}
     if names.w3 is not None:
         return {"w1": tensors[names.w1], "w2": tensors[names.w2], "w3": tensors[names.w3]}
     from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout

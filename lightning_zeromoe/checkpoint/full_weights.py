@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 from lightning_zeromoe._private import torch as torch_private
+from lightning_zeromoe.checkpoint.meta import same_values
 from lightning_zeromoe.checkpoint.autoep_names import (EXPERT_WEIGHTS as _EXPERT_WEIGHTS, ResumeShapeError, autoep_layers,
                                             block_names, local_experts, names_for, own_name, split_experts)
 from lightning_zeromoe.knowledge import say
@@ -43,12 +44,13 @@ def to_autoep_state_dict(state_dict: Mapping[str, torch.Tensor], module: torch.n
     for path, layer in layers.items():
         names = names_for(path, section, layouts)
         ids = local_experts(layer)
-        for local_name, _ in layer.named_parameters(remove_duplicate=True):
+        for local_name, param in layer.named_parameters(remove_duplicate=True):
             if local_name.startswith("experts."):
                 continue
             own = own_name(local_name, names)
             if own is not None and f"{path}.{own}" in out and f"{path}.{local_name}" not in out:
-                out[f"{path}.{local_name}"] = out.pop(f"{path}.{own}")
+                value, shape = out.pop(f"{path}.{own}"), list(getattr(param, "ds_shape", param.shape))
+                out[f"{path}.{local_name}"] = value.reshape(shape) if same_values(list(value.shape), shape) else value
         experts_prefix = f"{path}.{names.experts}."
         own_keys = [experts_prefix + n for n in (names.w1, names.w2, names.w3) if n]
         if all(k in out for k in own_keys):

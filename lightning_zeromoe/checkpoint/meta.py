@@ -27,8 +27,9 @@ READABLE_VERSIONS = (1, 2)
 #: ``down [E, hidden, ffn]``; ``hidden_first`` = ``[E, hidden, 2*ffn]`` with ``down [E, ffn, hidden]``;
 #: ``separate``: ``gate``/``up`` as two ``[E, ffn, hidden]`` tensors; ``per_expert``: one module per expert
 #: (``targets`` are templates in ``{i}``, e.g. ``layers.0.moe.experts.{i}.gate_proj.weight``; ``gate``/``up``/
-#: ``down``, or ``gate_up``/``down`` for a Linear packing gate and up).
-LAYOUTS = ("gate_up_first", "hidden_first", "separate", "per_expert")
+#: ``down``, or ``gate_up``/``down`` for a Linear packing gate and up); ``flattened``: ``gate``/``up``/``down``
+#: each ``[E * ffn, hidden]``, the down one transposed per expert (DBRX's ``w1``/``v1``/``w2``).
+LAYOUTS = ("gate_up_first", "hidden_first", "separate", "per_expert", "flattened")
 
 
 @dataclass
@@ -145,3 +146,8 @@ def read_meta(path: Path) -> ExportMeta:
     except OSError as err:
         raise ExportError(say(NOT_A_CHECKPOINT, "unreadable-file", path=path, err=err)) from None
     return ExportMeta.from_json(text, source=str(path))
+
+
+def same_values(shape: list[int], other: list[int]) -> bool:
+    """Whether two shapes differ only by dimensions of size 1 (one tensor, reshaped exactly)."""
+    return shape != other and [d for d in shape if d != 1] == [d for d in other if d != 1]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from lightning_zeromoe.checkpoint.errors import SHARDS_MISMATCH, ExportError, short_list
-from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta
+from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, same_values
 from lightning_zeromoe.checkpoint.sources import Catalog, ExpertSource, Reader, Source
 from lightning_zeromoe.knowledge import say
 
@@ -32,7 +32,7 @@ def plan_outputs(catalog: Catalog, meta: ExportMeta) -> list[OutputTensor]:
     used: set[str] = set()
     for ds_name, own in {**meta.params, **meta.buffers}.items():
         if ds_name in catalog.tensors:
-            built.setdefault(own, _read(catalog.tensors[ds_name]))
+            built.setdefault(own, _read(catalog.tensors[ds_name], meta.shapes.get(own)))
             used.add(ds_name)
     for block in meta.experts:
         sources = {}
@@ -86,6 +86,8 @@ def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
         return per_expert_outputs(block, sources)
     if block.layout == "separate":
         return {t["gate"]: _read(w1), t["up"]: _read(w3), t["down"]: _read(w2)}
+    if block.layout == "flattened":  # DBRX's [E * ffn, hidden]: gate and up reshaped, down transposed per expert
+        return {t["gate"]: _flattened(w1), t["up"]: _flattened(w3), t["down"]: _flattened(w2, down=True)}
 
     def fused(reader: Reader) -> Any:
         gate = reader.read(w1) if not isinstance(w1, ExpertSource) else None
@@ -110,6 +112,15 @@ def expert_outputs(block: ExpertBlock, sources: dict[str, Source],
     return {t["gate_up"]: fused, t["down"]: down}
 
 
+def _flattened(source: Source, down: bool = False) -> Callable[[Reader], Any]:
+    """AutoEP's ``[E, ffn, hidden]`` (gate, up) or ``[E, hidden, ffn]`` (down) as the model's ``[E * ffn, hidden]``."""
+    def build(reader: Reader) -> Any:
+        tensor = reader.read(source)
+        tensor = tensor.transpose(1, 2) if down else tensor
+        return tensor.reshape(-1, tensor.shape[-1])
+    return build
+
+
 def per_expert_outputs(block: ExpertBlock, sources: dict[str, Source]) -> dict[str, Callable[[Reader], Any]]:
     """Each expert's own Linear weights (``experts.{i}.gate_proj.weight`` ...) from AutoEP's ``[E, ...]``
     tensors, one expert at a time; a Linear packing gate and up gets ``cat([gate_i, up_i])``."""
@@ -128,5 +139,12 @@ def per_expert_outputs(block: ExpertBlock, sources: dict[str, Source]) -> dict[s
     return out
 
 
-def _read(source: Source) -> Callable[[Reader], Any]:
-    return lambda reader: reader.read(source)
+def _read(source: Source, shape: list[int] | None = None) -> Callable[[Reader], Any]:
+    """Read ``source``; with ``shape`` (the model's own, recorded at save), a tensor that differs from it
+    only by size-1 dimensions (ERNIE's ``[1, E]`` bias, held as ``[E]`` by AutoEP) is reshaped to it."""
+    def read(reader: Reader) -> Any:
+        tensor = reader.read(source)
+        if shape is not None and same_values(list(tensor.shape), list(shape)):
+            return tensor.reshape(shape)
+        return tensor
+    return read

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from lightning_zeromoe.config.schema import DeepSpeedConfig
-from lightning_zeromoe.checkpoint.autoep_names import BlockNames, block_names, names_for, own_name
+from lightning_zeromoe.checkpoint.autoep_names import FLAT, BlockNames, block_names, names_for, own_name
 from lightning_zeromoe.checkpoint.lora import param_wrappers
-from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo
+from lightning_zeromoe.checkpoint.meta import META_FILE, ExpertBlock, ExportMeta, LoraAdapter, ModelInfo, same_values
 from lightning_zeromoe._private import deepspeed as ds_private
 from lightning_zeromoe._private import torch as torch_private
 from lightning_zeromoe._private import transformers as hf_private
@@ -113,6 +113,8 @@ def build_meta(module: Any, ds_config: DeepSpeedConfig, *, world_size: int, tag:
         if len(mapped) > 1:
             tied.append(mapped)
     own_shapes = {own(n): s for n, s in shapes.items() if own(n) is not None}
+    if reference is not None:  # a tensor AutoEP holds without the model's singleton dims (ERNIE's [1, E] bias)
+        own_shapes.update({n: reference[n] for n, s in own_shapes.items() if n in reference and same_values(s, reference[n])})
     if reference is not None and not lora:
         wrong = [f"{n} {s} (model has {reference[n]})" for n, s in own_shapes.items() if n in reference and reference[n] != s]
         unsupported += [f"recorded shape differs from the model's own: {w}" for w in wrong]
@@ -203,9 +205,12 @@ def _expert_block(path: str, layer: Any, src: BlockNames, own: Any, reference: d
         per.update({"gate": f"{exp}.{{i}}.{src.w1}.weight", "up": f"{exp}.{{i}}.{src.w3}.weight"} if src.w3 is not None
                    else {"gate_up": f"{exp}.{{i}}.{src.w1}.weight"})
         return ExpertBlock(**common, layout="per_expert", layout_source="model", targets=per)
+    if src.storage == FLAT:  # DBRX: gate, up, down each [E * ffn, hidden] (down transposed per expert)
+        return ExpertBlock(**common, layout="flattened", layout_source="model",
+                           targets={"gate": f"{exp}.{src.w1}", "up": f"{exp}.{src.w3}", "down": f"{exp}.{src.w2}"})
     if src.storage != "fused_3d":
-        return (f"{path}: experts stored as {src.storage!r}; export supports fused 3-D expert tensors and "
-                "per-expert module lists")
+        return (f"{path}: experts stored as {src.storage!r}; export supports fused 3-D expert tensors, "
+                "per-expert module lists and flattened 2-D ones")
     if src.w3 is not None:
         return ExpertBlock(**common, layout="separate", layout_source="pattern",
                            targets={"gate": f"{exp}.{src.w1}", "up": f"{exp}.{src.w3}", "down": f"{exp}.{src.w2}"})
@@ -230,6 +235,8 @@ def _target_shapes(block: ExpertBlock, layer: Any) -> dict[str, list[int]]:
         return {t["gate_up"]: [e, 2 * ffn, hidden], t["down"]: [e, hidden, ffn]}
     if block.layout == "hidden_first":
         return {t["gate_up"]: [e, hidden, 2 * ffn], t["down"]: [e, ffn, hidden]}
+    if block.layout == "flattened":
+        return {t[part]: [e * ffn, hidden] for part in ("gate", "up", "down")}
     if block.layout == "per_expert":
         per = {"gate": [ffn, hidden], "up": [ffn, hidden], "gate_up": [2 * ffn, hidden], "down": [hidden, ffn]}
         return {template.format(i=i): per[part] for part, template in t.items() for i in range(e)}

@@ -40,6 +40,8 @@ from lightning_zeromoe.conversion.probe import (ProbeError, Side, expert_weight_
                                                 probe, recorded_by)
 from lightning_zeromoe.discovery.find import Discovery, MoEBlock
 from lightning_zeromoe.discovery.structure import SCORE_BIAS
+from lightning_zeromoe.conversion import flat_repack
+from lightning_zeromoe.conversion.score_bias import flatten_score_biases, restore_score_biases
 from lightning_zeromoe.conversion.report import COMPARE_TOLERANCE, ProbeReport, summary_line
 from lightning_zeromoe.conversion.router_logits import (match_output_contract, raw_router_logits, restore_router_logits,
                                              router_logit_recorders)
@@ -156,7 +158,8 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
     # layer initialises its router: under a forked RNG, so the model's random stream stays as it was.
     cuda = [device.index or 0] if device.type == "cuda" else []
     ds_private.check_autoep_api()  # an API change is an error with the version in it, not a refusal
-    with _attributes_kept(block), torch.no_grad(), torch.random.fork_rng(devices=cuda):
+    with _attributes_kept(block), torch.no_grad(), torch.random.fork_rng(devices=cuda), \
+            flat_repack.for_autoep(root, block_info):  # DBRX: its 2-D experts as AutoEP's 3-D views, for the build
         try:
             config = parse_autoep_config(probe_section)
             specs = AutoEP(_Holder(block, found.root_config), config).ep_parser()
@@ -176,7 +179,7 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
             grouped = bool(probe_section.get("use_grouped_mm"))
             experts = grouped if expert_grads is None else expert_grads
             original = Side(block, parameter_name(block, router),
-                            expert_weight_names(block, spec.experts_name, num_experts) if experts else (),
+                            _own_expert_weights(block, block_info, spec.experts_name, num_experts) if experts else (),
                             recorded_by(router_logit_recorders(root)))
             converted = Side(layer, "router.gate.weight",
                              expert_weight_names(layer, "experts", num_experts) if experts else (),
@@ -193,6 +196,15 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
     finally:
         _release(layer)
     return _verdict(block_info.path, report, tol)
+
+
+def _own_expert_weights(block: nn.Module, block_info: MoEBlock, experts: str, num_experts: int) -> tuple[str, ...]:
+    """The original block's expert weights: ``[E, ...]`` tensors, or DBRX's ``[E * ffn, hidden]`` ones (their
+    rows are expert-major, so per-expert gradient norms compare with AutoEP's)."""
+    layout = block_info.layout
+    if layout is not None and layout.storage == flat_repack.FLAT:
+        return tuple(f"{layout.experts}.{w}" for w in (layout.w1, layout.w3, layout.w2))
+    return expert_weight_names(block, experts, num_experts)
 
 
 def _counts(layer: nn.Module) -> torch.Tensor | None:
@@ -288,6 +300,10 @@ def check_conversion(root: nn.Module, found: Discovery, *, section: Mapping[str,
     """
     router_aliases(root, found, install=True)
     bias_aliases(root, found, install=True)
+    flattened = flatten_score_biases(root, found.blocks)  # ERNIE's [1, E] bias shown as [E] (exact reshape)
+    found = found.without(flat_repack.unviewable(root, found.blocks))
+    flat_blocks = list(found.blocks)
+    flat_repack.install(root, flat_blocks)  # DBRX's experts.mlp shown to AutoEP as a direct child
     checks = [check_block(root, block, found, section=section, tokens=tokens, seed=seed, expert_grads=expert_grads)
               for block in found.blocks]
     gc.collect()  # the probe layers' tensors are freed already (_release); their modules sit in cycles
@@ -300,6 +316,8 @@ def check_conversion(root: nn.Module, found: Discovery, *, section: Mapping[str,
                                                for b in found.blocks]).without(failed)
     router_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
     bias_aliases(root, dataclasses.replace(found, blocks=[]), install=False)
+    restore_score_biases(flattened, {b.path for b in found.blocks})
+    flat_repack.settle(root, flat_blocks, {b.path for b in found.blocks})
     return found, checks
 
 

@@ -42,6 +42,11 @@ class FamilyFacts:
     expert_activation: str | None = None
 
 
+INKLING2_EXPERTS = ("Inkling2's experts compute c_g*tanh(gate/c_g) * sigmoid(gate) * c_u*tanh(up/c_u) (a SwiGLU "
+                    "softcapped by tanh, config.mlp_gate_softcap/mlp_up_softcap); AutoEP 0.19.8's expert "
+                    "activations (swiglu, geglu_tanh, swiglu_clamped, swiglu_oai) clamp or do not bound at all; tanh is "
+                    "nearly linear near 0, so on the tiny test model the probe measured only a 0.006 relative gap")
+
 #: Read from each family's router ``forward`` in transformers 5.22 (see the module docstring).
 FAMILY_FACTS: dict[str, FamilyFacts] = {
     # softmax over all experts, top-k, renormalised (no norm_topk_prob in the config)
@@ -51,7 +56,9 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # softmax over the top-k logits == renormalised softmax over all experts
     "granitemoe": FamilyFacts(route_norm=True),
     "granitemoeshared": FamilyFacts(route_norm=True),
-    "gpt_oss": FamilyFacts(route_norm=True),
+    "gpt_oss": FamilyFacts(route_norm=True, unsupported=(
+        "GPT-OSS's experts add biases (gate_up_proj_bias, down_proj_bias) to both projections; AutoEP 0.19.8 has "
+        "their activation (expert_activation='swiglu_oai') but its grouped experts (w1, w2, w3) hold no bias")),
     # Qwen3.5's router renormalises whatever norm_topk_prob says
     "qwen3_5_moe_text": FamilyFacts(route_norm=True),
     # the config's norm_topk_prob is read by the router
@@ -67,13 +74,17 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     # Llama-4: sigmoid of the selected logits, not renormalised, applied to the expert *input*
     "llama4_text": FamilyFacts(score_func="sigmoid", route_norm=False, score_apply="pre"),
     "cohere2_moe": FamilyFacts(),
-    "phimoe": FamilyFacts(unsupported="Phi-MoE routes with SparseMixer (masked, two-stage softmax), "
-                                      "which AutoEP's top-k router cannot express"),
-    "longcat_flash": FamilyFacts(unsupported="LongCat-Flash has zero-computation experts (routes to identity "
-                                             "experts that AutoEP does not have)"),
-    "jetmoe": FamilyFacts(unsupported="JetMoE's experts are a mixture of attention and MLP experts "
-                                      "(input_linear/output_linear), not an MLP expert block"),
-    "dbrx": FamilyFacts(unsupported="DBRX stores its experts as flattened 2-D w1/v1/w2 tensors"),
+    "phimoe": FamilyFacts(unsupported="Phi-MoE routes with SparseMixer: each chosen expert is weighted by a softmax "
+                                      "over only the logits within 2*router_jitter_noise (relative) of its own, and "
+                                      "in training the experts are sampled (Gumbel) with a Heun's-method gradient; "
+                                      "AutoEP 0.19.8's router takes a deterministic top-k of one softmax"),
+    "longcat_flash": FamilyFacts(unsupported="LongCat-Flash's router also scores zero_expert_num identity experts "
+                                             "(router rows beyond the routed experts; a token routed there passes "
+                                             "through, weighted), which AutoEP 0.19.8's experts do not have"),
+    "jetmoe": FamilyFacts(unsupported="JetMoE's MLP MoE adds a learned output bias (mlp.bias) after the experts, "
+                                      "which AutoEP 0.19.8's layer does not, and its attention MoE "
+                                      "(self_attention.experts) routes attention projections, not an MLP"),
+    # DBRX: routing under config.ffn_config, read by dbrx_routing (below)
     # Jamba: softmax over all experts, top-k, never renormalised (no norm_topk_prob in the config)
     "jamba": FamilyFacts(route_norm=False),
     # Flint: sigmoid, top-k without a bias, renormalised per norm_topk_prob, no scale
@@ -84,6 +95,9 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     "mimo_v2_flash": FamilyFacts(score_func="sigmoid"), "solar_open": FamilyFacts(score_func="sigmoid"),
     "axk2": FamilyFacts(score_func="sigmoid"), "deepseek_v32": FamilyFacts(score_func="sigmoid"),
     "glm_moe_dsa": FamilyFacts(score_func="sigmoid"), "beam": FamilyFacts(score_func="sigmoid"),
+    # dots3.note (5.23): DeepSeek-V3's noaux_tc router (sigmoid, choice-only bias, top2_sum groups,
+    # norm_topk_prob, routed_scaling_factor); its config states no scoring_func
+    "dots3_note_text": FamilyFacts(score_func="sigmoid"),
     # transformers 5.24: configs that build DeepseekV3ForCausalLM and Glm4MoeForCausalLM (the same router)
     "sarvam_mla": FamilyFacts(score_func="sigmoid"), "sarvam_moe": FamilyFacts(score_func="sigmoid"),
     # HY-V4: the same router; its experts clamp gate (max) and up (+-swiglu_limit) before silu(gate) * up
@@ -99,17 +113,32 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         ("moe_router_logit_softcapping", "Laguna soft-caps its router logits (tanh, "
                                          "moe_router_logit_softcapping > 0) before the sigmoid, which "
                                          "AutoEP's router does not do"),)),
-    "axk1": FamilyFacts(unsupported="A.X-K1 applies an RMSNorm (post_mlp_layernorm) to the MoE block's output, "
-                                    "which AutoEP's layer does not"),
-    "deepseek_v4": FamilyFacts(unsupported="DeepSeek-V4 scores experts with sqrt(softplus), hash-routes some "
-                                           "layers and clamps its SwiGLU, which AutoEP's router cannot express"),
-    "nemotron_h": FamilyFacts(unsupported="Nemotron-H's experts are not gated (up_proj and down_proj only, with "
-                                          "mlp_hidden_act, squared ReLU by default), unlike AutoEP's SwiGLU experts"),
-    "zaya": FamilyFacts(unsupported="ZAYA routes with an MLP over a state carried from layer to layer (and a skip "
-                                    "choice), not a linear router"),
+    # Inkling2 (5.23/5.24): sigmoid + choice-only bias, renormalised, x routed_scaling_factor (expressible);
+    # its experts are not: a softcapped SwiGLU
+    "inkling2_text": FamilyFacts(unsupported=INKLING2_EXPERTS),
+    "inkling2_loop_text": FamilyFacts(unsupported=INKLING2_EXPERTS),
+    "axk1": FamilyFacts(unsupported="A.X-K1 applies an RMSNorm (mlp.post_mlp_layernorm) to the MoE block's output "
+                                    "(experts + shared experts), which AutoEP 0.19.8's layer does not"),
+    "deepseek_v4": FamilyFacts(unsupported=(
+        "DeepSeek-V4 scores experts with sqrt(softplus(logits)) (config.scoring_func='sqrtsoftplus') and its "
+        "hash_moe layers pick experts by token id (gate.tid2eid); AutoEP 0.19.8's router scores with softmax or "
+        "sigmoid only and has no token-id routing (its clamped SwiGLU alone would convert: "
+        "expert_activation='swiglu_clamped')")),
+    "nemotron_h": FamilyFacts(unsupported="Nemotron-H's experts are not gated (down(act(up(x))), up_proj and "
+                                          "down_proj only, act = mlp_hidden_act, squared ReLU by default); all of "
+                                          "AutoEP 0.19.8's expert activations (swiglu, geglu_tanh, swiglu_clamped, "
+                                          "swiglu_oai) are gated, act(gate) * up"),
+    "zaya": FamilyFacts(unsupported="ZAYA routes with an MLP (router.router_mlp) over a down-projected state carried "
+                                    "from layer to layer, with an extra skip class, not with the single Linear "
+                                    "router AutoEP 0.19.8 has"),
     "kolibri1": FamilyFacts(unsupported="Kolibri-1 adds its e_score_correction_bias to the raw router logits "
-                                        "before the top-k (AutoEP adds it to the sigmoid scores), so the "
+                                        "before the top-k (AutoEP 0.19.8 adds it to the sigmoid scores), so the "
                                         "experts AutoEP would choose differ"),
+    "inkling_text": FamilyFacts(unsupported=(
+        "Inkling's router also scores its shared experts (router weight [E + n_shared_experts, hidden]) and "
+        "normalises their weights together with the top-k's (a softmax over logsigmoid, times a learned "
+        "global_scale), so each shared expert is weighted per token; AutoEP 0.19.8 adds shared experts unweighted "
+        "or behind a separate sigmoid gate")),
 }
 
 #: Config attributes of blocks that multiply their input by random noise in training only
@@ -208,6 +237,8 @@ def routing_from_config(
     """
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     model_type = str(getattr(config, "model_type", ""))
+    if model_type == "dbrx" and not overrides:
+        return dbrx_routing(config)
     facts = FAMILY_FACTS.get(model_type, FamilyFacts())
     if facts.unsupported and not overrides:
         return facts.unsupported
@@ -284,6 +315,38 @@ def routing_from_config(
                    top_k=int(top_k), score_apply=score_apply, num_expert_groups=num_groups,
                    num_limited_groups=num_limited, group_score_func=group_score_func, shared_experts=shared,
                    shared_experts_gate=shared_gate, expert_activation=activation, origin=tuple(origin))
+
+
+#: DBRX ``ffn_config.ffn_act_fn`` names AutoEP computes exactly: its gated form's name (None: ``swiglu``).
+_DBRX_ACTIVATIONS = {"silu": None, "swish": None, "gelu_pytorch_tanh": "geglu_tanh"}
+
+
+def dbrx_routing(config: Any) -> Routing | str:
+    """DBRX (``DbrxFFN.route_tokens_to_experts``): softmax over the experts, top ``moe_top_k``, the
+    weights divided by their ``moe_normalize_expert_weights``-norm (p=1: their sum, AutoEP's
+    ``route_norm``; None: not at all), jitter noise in training when ``moe_jitter_eps`` is set."""
+    ffn = getattr(config, "ffn_config", None)
+    top_k = getattr(ffn, "moe_top_k", None)
+    if not isinstance(top_k, int):
+        return "the config states no top-k (ffn_config.moe_top_k)"
+    jitter = getattr(ffn, "moe_jitter_eps", None)
+    if jitter:
+        return (f"the block multiplies its input by random jitter noise in training (config.ffn_config.moe_jitter_eps="
+                f"{jitter}), which AutoEP's layer does not do")
+    p = getattr(ffn, "moe_normalize_expert_weights", None)
+    if p not in (None, 1, 1.0):
+        return (f"DBRX divides its top-k weights by their L{p} norm (ffn_config.moe_normalize_expert_weights={p}); "
+                "AutoEP 0.19.8 renormalises by their sum (the L1 norm) or not at all")
+    act = (getattr(ffn, "ffn_act_fn", None) or {}).get("name", "silu")
+    if act not in _DBRX_ACTIVATIONS:
+        return (f"DBRX's experts compute {act}(gate) * up (ffn_config.ffn_act_fn), which none of AutoEP 0.19.8's "
+                "expert activations (swiglu, geglu_tanh, swiglu_clamped, swiglu_oai) is")
+    origin = (("score_func", "'softmax' (dbrx router code)"),
+              ("route_norm", f"{p is not None} (config.ffn_config.moe_normalize_expert_weights={p})"),
+              ("route_scale", "1.0 (dbrx router code)"), ("top_k", f"{top_k} (config.ffn_config.moe_top_k)"),
+              ("expert_activation", f"{_DBRX_ACTIVATIONS[act] or 'swiglu'!r} (config.ffn_config.ffn_act_fn={act!r})"))
+    return Routing(score_func="softmax", route_norm=p is not None, route_scale=1.0, top_k=top_k,
+                   expert_activation=_DBRX_ACTIVATIONS[act], origin=origin)
 
 
 def default_routing(overrides: dict[str, Any]) -> Routing | str:

@@ -207,7 +207,7 @@ def one_kind(convertible: list[tuple[BlockLayout, Routing]], fallback: list[Fall
     first, routing = blocks[0].layout, blocks[0].routing
     assert first is not None and routing is not None
     autoep = {"moe_layer_pattern": exact_pattern(b.path for b in blocks), "router_pattern": first.autoep_router,
-              "expert_pattern": first.experts, "expert_w1": first.w1, "expert_w2": first.w2,
+              "expert_pattern": first.autoep_experts, "expert_w1": first.w1, "expert_w2": first.w2,
               "expert_w3": first.w3, "num_experts_attr": num_experts_attr, **routing.autoep_keys()}
     return blocks, autoep
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_zeromoe.discovery.expert_list import ExpertList, find_expert_list, shape_of, weight_shapes
+from lightning_zeromoe.discovery.flat_experts import EXPERTS_ALIAS, FLAT, find_flat_experts
 
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 SHARED_GATE_NAMES = ("shared_expert_gate",)
@@ -47,7 +48,8 @@ class BlockLayout:
     w2: str                           # down projection
     w3: str | None = None             # up projection when stored apart from the gate
     #: ``gate_up_first``: w1 is [E, 2F, H] (Mixtral); ``hidden_first``: w1 is [E, H, 2F] (GPT-OSS, Llama-4);
-    #: ``per_expert``: one module per expert (``storage="module_list"``).
+    #: ``per_expert``: one module per expert (``storage="module_list"``); ``flattened``: 2-D ``[E * ffn, hidden]``
+    #: gate/up/down (``storage="flattened_2d"``, DBRX; :mod:`lightning_zeromoe.discovery.flat_experts`).
     layout: str = "gate_up_first"
     router_bias: str | None = None
     shared_experts: str | None = None
@@ -58,7 +60,8 @@ class BlockLayout:
     unsupported: str | None = None
     block_class: str = ""
     #: ``fused_3d`` (3-D ``[E, ...]`` tensors) or ``module_list`` (``experts.{i}.<w1>.weight``, AutoEP's
-    #: name for per-expert modules): then ``w1``/``w2``/``w3`` name each expert's Linear children.
+    #: name for per-expert modules): then ``w1``/``w2``/``w3`` name each expert's Linear children; or
+    #: ``flattened_2d`` (DBRX's ``[E * ffn, hidden]`` tensors in the module ``experts``, e.g. ``experts.mlp``).
     storage: str = "fused_3d"
     #: AutoEP's name of the experts' activation where it was read off the experts (module lists);
     #: None: not read (AutoEP's default, ``swiglu``).
@@ -77,6 +80,11 @@ class BlockLayout:
         from the unbiased scores: what AutoEP's router does with its bias)."""
         own = [t for t in self.extra_tensors if t.rsplit(".", 1)[-1] == SCORE_BIAS]
         return own[0] if own else ("expert_bias" if "expert_bias" in self.extra_tensors else None)
+
+    @property
+    def autoep_experts(self) -> str:
+        """The experts child name AutoEP is given: the experts module itself, or the alias of a nested one."""
+        return EXPERTS_ALIAS if "." in self.experts else self.experts
 
     @property
     def autoep_router(self) -> str:
@@ -188,6 +196,10 @@ def analyse_block(path: str, block: nn.Module, num_experts: int | None = None) -
         has_expert_child = any("expert" in n for n, _ in block.named_children() if n != router_name)
         if num_experts is None or not has_expert_child:
             return None  # a lone [E, H] projection is not evidence of an MoE block
+        flat = find_flat_experts(block, router_name, n_exp, hidden)
+        if flat is not None:  # DBRX: [E * ffn, hidden] tensors, exact views of AutoEP's 3-D ones
+            return BlockLayout(**common, experts=flat.module, w1=flat.gate, w2=flat.down, w3=flat.up,
+                               layout="flattened", storage=FLAT)
         return BlockLayout(**common, experts="experts", w1="", w2="",
                            unsupported="its experts are not stored as 3-D [num_experts, ...] tensors")
     names = _expert_names(params)

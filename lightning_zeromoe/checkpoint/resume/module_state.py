@@ -38,6 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
+from lightning_zeromoe.checkpoint.meta import same_values
 from lightning_zeromoe.checkpoint.autoep_names import BlockNames, autoep_layers, block_names, local_experts, names_for, own_name
 from lightning_zeromoe.checkpoint.resume.saved import SavedCheckpoint, read_saved_tensors
 
@@ -118,6 +119,8 @@ def restore_module_state(module: torch.nn.Module, saved: SavedCheckpoint, target
     restored_buffers, frozen, trained_then, missing = [], list(experts.restored), [], list(experts.missing)
     for name, buffer in persistent_buffers(module).items():
         value = buffers_by_own.get(_own(name, tgt_blocks))
+        if value is not None and same_values(list(value.shape), list(buffer.shape)):
+            value = value.reshape(buffer.shape)
         if value is None or tuple(value.shape) != tuple(buffer.shape):
             missing.append(name)
             continue
@@ -129,6 +132,8 @@ def restore_module_state(module: torch.nn.Module, saved: SavedCheckpoint, target
             continue
         shape = tuple(getattr(param, "ds_shape", param.shape))
         value = frozen_by_own.get(_own(name, tgt_blocks))
+        if value is not None and same_values(list(value.shape), list(shape)):  # ERNIE's [1, E] bias <-> AutoEP's [E]
+            value = value.reshape(shape)
         found = frozen
         if value is None or tuple(value.shape) != shape:
             value, found = _universal_value(uc_dir, saved, name, param, layers), trained_then
