@@ -288,7 +288,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                       on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
                       accumulate_grad_batches=self._accumulate_grad_batches())
         self.resolved = resolve(self.options, world, self.discovery, auto_stage=self.auto_stage,
-                                choose_stage=lambda ep_size: self._choose_stage(module, ep_size),
+                                choose_stage=lambda ep_size, **how: self._choose_stage(module, ep_size, **how),
                                 keyword_sections=self._keyword_sections(), user=self.user_config,
                                 ep_size_given=self.ep_size_given)
         self._resolved_for = module
@@ -303,13 +303,16 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         return self.keywords.config_sections(offload_optimizer=self.options.offload_optimizer,
                                              offload_parameters=self.options.offload_parameters)
 
-    def _choose_stage(self, module: Module, ep_size: int) -> tuple[int, str]:
-        """``stage="auto"``: the lowest ZeRO stage whose model states fit, from the memory planner."""
+    def _choose_stage(self, module: Module, ep_size: int, native: bool = False) -> tuple[int, str]:
+        """``stage="auto"``: the lowest ZeRO stage whose model states fit, from the memory planner
+        (``native``: native MoE layers, each rank already holding its share of the experts)."""
+        from lightning_zeromoe.config.native_moe import native_plan_counts
         from lightning_zeromoe.planner import choose_stage
 
+        counts = {"counts": native_plan_counts(module, ep_size)} if native else {}
         return choose_stage(module, world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                             ep_size=ep_size, device_memory_bytes=self._device_memory_bytes(),
-                            precision=str(self.precision_plugin.precision))
+                            precision=str(self.precision_plugin.precision), **counts)
 
     def _device_memory_bytes(self) -> float:
         """Memory per device: the GPU's, or on CPU this host's RAM shared by its processes."""
