@@ -13,6 +13,10 @@ not native layers). So the strategy's ``ep_size`` must be the modules' one, or l
   a different ``ep_size``, layers built with different sizes, an ``expert_parallel`` section in
   the user's config, or a size that does not divide the world.
 
+``stage="auto"`` plans with the layers' own size and never answers stage 3, which DeepSpeed refuses
+for native layers (:func:`native_auto_stage`); a model that also holds blocks AutoEP would convert
+is refused (:func:`check_one_kind`).
+
 Pure: module paths and sizes in, a size and an info line out (or a ``ZeroMoEConfigError``).
 """
 
