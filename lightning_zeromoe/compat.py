@@ -36,9 +36,11 @@ AUTOEP_PRESETS_BY_MODEL_TYPE = {
     "minimax_m3_vl_text": "minimax_m3",
 }
 
-#: deepspeed/runtime/engine.py ``_validate_zero3_moe_compatibility`` (0.19.8).
-NATIVE_MOE_ZERO3_MESSAGE = (
-    "Native DeepSpeed MoE is not supported with ZeRO Stage 3. Use AutoEP or choose ZeRO stage 1/2.")
+#: The sentence that identifies DeepSpeed's refusal of native MoE under ZeRO-3, verbatim from
+#: deepspeed/runtime/engine.py ``_validate_zero3_moe_compatibility`` (0.19.8). A fact quoted to
+#: recognise and name the refusal; DeepSpeed's message goes on with its own advice, which is
+#: quoted whole in the knowledge base entry native-moe-zero3 (its symptoms), not here.
+NATIVE_MOE_ZERO3_MESSAGE = "Native DeepSpeed MoE is not supported with ZeRO Stage 3."
 #: The older wording of the same refusal, raised when stage 3 sees MoE layers but no AutoEP layer.
 LEGACY_MOE_ZERO3_MESSAGE = "MoE not supported with Stage 3"
 
@@ -52,7 +54,9 @@ class KnownBadCombination(NamedTuple):
     with_package: str
     with_version: str  # the exact version the failure was measured with
     symptom: str
-    fix: str
+    #: The knowledge base entry (and its fix) that says what to install instead.
+    entry: str
+    fix_id: str
     #: How lightning_zeromoe itself avoids the failure ("" when it does not): the combination then
     #: fails only outside ZeroMoEStrategy.
     handled_by: str = ""
@@ -67,7 +71,8 @@ KNOWN_BAD_COMBINATIONS = (
         with_version="0.19.8",
         symptom="TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3 were given "
         "(raised by deepspeed.initialize when AutoEP converts a Hugging Face MoE model)",
-        fix="pip install 'transformers>=5.17,<5.23' (5.17.0, 5.20.2 and 5.22.2 were measured to work)",
+        entry="autoep-transformers-5.23",
+        fix_id="pin-transformers",
         handled_by="ZeroMoEStrategy runs deepspeed.initialize inside autoep_output_capture_shim "
         "(lightning_zeromoe/_private/deepspeed.py); 5.23.0 and 5.24.0 were measured to train under it",
     ),
@@ -76,16 +81,16 @@ KNOWN_BAD_COMBINATIONS = (
 #: What each environment variable really does (checked in the installed sources).
 ENV_FACTS = {
     "NCCL_TIMEOUT": (
-        "Read by nothing: not torch, not NCCL, not deepspeed, not lightning. Set the collective "
-        "timeout with ZeroMoEStrategy(timeout=timedelta(...)) or DEEPSPEED_TIMEOUT (minutes)."),
+        "Read by nothing: not torch, not NCCL, not deepspeed, not lightning. The collective timeout "
+        "is an argument of init_process_group / new_group (knowledge base: nccl-timeout-env-ignored)."),
     "DEEPSPEED_TIMEOUT": (
         "Minutes; deepspeed's default_pg_timeout (deepspeed/constants.py, default 10). Lightning "
         "passes its own timeout (default 30 min) to deepspeed.init_distributed, which wins for "
         "the world group."),
     "DS_BUILD_OPS": (
-        "DS_BUILD_OPS=1 pre-builds every compatible op while pip installs deepspeed. Unset or 0 "
-        "builds nothing at install time: ops are JIT-compiled on first use. It does not 'skip "
-        "compilation'."),
+        "DS_BUILD_OPS=1 pre-builds every compatible op while pip installs deepspeed. With it unset "
+        "or 0, nothing is built at install time: ops are JIT-compiled on first use. It does not "
+        "'skip compilation'."),
     "TORCH_EXTENSIONS_DIR": (
         "Where JIT-built ops are cached (default $XDG_CACHE_HOME or ~/.cache, then "
         "torch_extensions/py311_cpu or py311_cuXYZ, one folder per op: torch/utils/cpp_extension.py "

@@ -23,6 +23,7 @@ import torch
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 from lightning_zeromoe.engine import collectives  # noqa: E402
 from lightning_zeromoe.engine.notices import silence_known_notices  # noqa: E402
+from lightning_zeromoe.knowledge import say  # noqa: E402
 
 silence_known_notices()
 
@@ -53,11 +54,10 @@ def resolve_accelerator(requested: str, devices: int) -> tuple[str, int, str]:
     """(accelerator, devices, why): use GPUs only when asked for or when they exist."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "gpu" and gpus == 0:
-        raise SystemExit("--accelerator gpu: no CUDA device is visible (torch.cuda.is_available() is False). "
-                         "Use --accelerator cpu, or run `python -m troubleshooter doctor`.")
+        raise SystemExit(say("demo-accelerator", "no-gpu", "cpu-or-doctor"))
     if requested == "gpu" or (requested == "auto" and gpus > 0):
         if devices > gpus:
-            raise SystemExit(f"--devices {devices} but only {gpus} GPU(s) are visible.")
+            raise SystemExit(say("demo-accelerator", "too-few-gpus", "fewer-devices", devices=devices, gpus=gpus))
         return "gpu", devices, f"{devices} of {gpus} GPU(s)"
     return "cpu", devices, f"{devices} CPU processes (gloo)"
 

@@ -28,8 +28,8 @@ from lightning_zeromoe._private.torch import remove_hooks_defined_in
 from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, ResolvedConfig, World, ZeroMoEConfigError,
                                       builds_in_configure_model, check_ep_divides_world, check_offload_optimizer,
                                       effective_ep_size, effective_stage, inference_config, native_ep, native_ep_sizes,
-                                      options_before_model, resolve, strategy_settings, user_section,
-                                      zero_init_config)
+                                      native_plan_counts, options_before_model, resolve, strategy_settings,
+                                      user_section, zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, device_memory_bytes, group_timeout,
                                       initialize, stop_launched_ranks, use_deepspeed_cpu_accelerator)
@@ -319,7 +319,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self.options = dataclasses.replace(self.options, ep_size=ep_size)
             self._once.info(f"ZeroMoEStrategy(ep_size='auto'): {why}")
         self.resolved = resolve(self.options, self._world(), self.discovery, auto_stage=self.auto_stage,
-                                choose_stage=lambda ep_size: choose_stage(module, ep_size=ep_size, **self._planner_inputs()),
+                                choose_stage=lambda ep_size, native=False: choose_stage(  # native: layers' own shares
+                                    module, ep_size=ep_size, **self._planner_inputs(),
+                                    **({"counts": native_plan_counts(module, ep_size)} if native else {})),
                                 keyword_sections=self._keyword_sections(), user=self.user_config,
                                 ep_size_given=self.ep_size_given)
         self._resolved_for = module

@@ -21,8 +21,16 @@ def test_native_moe_message_is_deepspeeds():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     source = inspect.getsource(DeepSpeedEngine._validate_zero3_moe_compatibility)
-    assert compat.NATIVE_MOE_ZERO3_MESSAGE.split(". ")[0] in source
+    assert compat.NATIVE_MOE_ZERO3_MESSAGE in source  # verbatim, up to its full stop
     assert compat.LEGACY_MOE_ZERO3_MESSAGE in source
+
+
+def test_known_bad_combinations_cite_existing_fixes():
+    """Each combination's advice is a knowledge-base fix (the doctor shows it): both ids exist."""
+    from lightning_zeromoe import knowledge
+
+    for combo in compat.KNOWN_BAD_COMBINATIONS:
+        assert knowledge.get(combo.entry).get_fix(combo.fix_id).text
 
 
 def test_deepspeed_default_timeout_env_is_real():

@@ -28,15 +28,8 @@ PENDING: set[str] = set()
 #: balancing, moe_groups, exporter and resume). To be converted, then removed from here; the test
 #: below fails on an entry that no longer holds any, so the list only shrinks.
 PENDING_LIBRARY: dict[str, str] = {
-    "lightning_zeromoe/compat.py": "version facts: NATIVE_MOE_ZERO3_MESSAGE quotes DeepSpeed; the env-var notes and the "
-                                   "transformers pin's fix= belong in nccl-timeout-env-ignored / ds-build-ops-meaning / "
-                                   "autoep-transformers-5.23",
-    "lightning_zeromoe/demo.py": "the demo's --accelerator gpu refusal",
-    "lightning_zeromoe/discovery/hf.py": "several Hugging Face MoE models in one module",
     "lightning_zeromoe/discovery/hf_semantics.py": "no top_k for a block without a config",
-    "lightning_zeromoe/engine/collectives.py": "no default backend",
     "lightning_zeromoe/planner/plan.py": "the planner's recommendations",
-    "lightning_zeromoe/_private/deepspeed.py": "no load_universal_checkpoint in this deepspeed",
 }
 
 

@@ -180,7 +180,8 @@ def _native_reference(ranks: list[dict]) -> list[float]:
 @pytest.mark.parametrize("name", ["native_s1", "native_s2"])
 def test_native_deepspeed_moe_ep2_matches_plain_pytorch(paths, name):
     """MoE(ep_size=2) layers on 2 ranks: native_s2 under ZeroMoEStrategy(ep_size=2, stage=2), native_s1
-    under stage=1 with ep_size unset (the layers' size taken). No AutoEP section, DeepSpeed's own
+    under stage="auto" with ep_size unset (the layers' size taken; the planner picks stage 1, never the
+    stage 3 native layers cannot run). No AutoEP section, DeepSpeed's own
     ep_size_2 expert group, 2 of 4 experts per rank, and the losses of a plain single-process loop."""
     ranks = paths[name]
     assert [r["stage"] for r in ranks] == [int(name[-1])] * 2

@@ -147,8 +147,10 @@ def universal_checkpoint_loading(engine: Any) -> Iterator[None]:
     if not hasattr(config, "load_universal_checkpoint"):
         import deepspeed
 
-        raise RuntimeError(f"deepspeed {deepspeed.__version__} has no DeepSpeedConfig.load_universal_checkpoint; "
-                           "resume on another shape needs deepspeed with universal checkpoints (0.19.8 is tested).")
+        from lightning_zeromoe.knowledge import say
+
+        raise RuntimeError(say("resume-shape-unsupported", "no-universal-loading", "tested-deepspeed-universal",
+                               version=deepspeed.__version__))
     previous = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
     try:
@@ -186,9 +188,10 @@ def frozen_experts_presented(params: Mapping[str, Any], *, saving: bool) -> Iter
     if gone:
         import deepspeed
 
-        raise RuntimeError(f"[autoep-frozen-experts] deepspeed {deepspeed.__version__} lacks {', '.join(gone)}, "
-                           "which saving frozen AutoEP experts under ZeRO-3 relies on; lightning_zeromoe is tested "
-                           "with deepspeed 0.19.8. Install deepspeed==0.19.8, or train the experts too.")
+        from lightning_zeromoe.knowledge import say
+
+        raise RuntimeError(say("autoep-frozen-experts", "hooks-missing", "tested-deepspeed-or-train-experts",
+                               version=deepspeed.__version__, missing=", ".join(gone)))
     hidden = frozenset(params)
     original = DeepSpeedEngine.__dict__["_autoep_expert_parameter_names"]
 

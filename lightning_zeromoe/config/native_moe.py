@@ -13,19 +13,25 @@ not native layers). So the strategy's ``ep_size`` must be the modules' one, or l
   a different ``ep_size``, layers built with different sizes, an ``expert_parallel`` section in
   the user's config, or a size that does not divide the world.
 
+``stage="auto"`` plans with the layers' own size and never answers stage 3, which DeepSpeed refuses
+for native layers (:func:`native_auto_stage`); a model that also holds blocks AutoEP would convert
+is refused (:func:`check_one_kind`).
+
 Pure: module paths and sizes in, a size and an info line out (or a ``ZeroMoEConfigError``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from lightning_zeromoe.discovery.find import native_moe_paths
+from lightning_zeromoe.discovery.find import Discovery, native_moe_paths
 from lightning_zeromoe.config.validation import ZeroMoEConfigError, divisors
 from lightning_zeromoe.knowledge import compose, say
+from lightning_zeromoe.planner.counts import ParamCounts, count_params
 
 ENTRY = "native-moe-ep-size"
 
@@ -77,3 +83,42 @@ def native_ep(sizes: Mapping[str, int], *, asked: int | None, world_size: int,
     if asked is None:
         note = compose(ENTRY, "taken-from-layers", built=built, count=len(sizes), where=_where(sizes))
     return NativeEP(built, note)
+
+
+def native_plan_counts(root: nn.Module, ep_size: int) -> ParamCounts:
+    """The memory planner's parameter counts for a model of native layers built with ``ep_size``.
+
+    Such a layer holds ``num_experts / ep_size`` experts on each rank, while :class:`ParamCounts`
+    holds a layer's whole experts (the planner splits them by ``ep_size``, as AutoEP does): each
+    expert tensor is counted ``ep_size`` times, so the planner's share per rank is the layer's own.
+    """
+    counts = count_params(root)
+    return dataclasses.replace(counts, expert=tuple(n * ep_size for n in counts.expert))
+
+
+def native_auto_stage(native: NativeEP, sizes: Mapping[str, int],
+                      choose_stage: Callable[..., tuple[int, str]]) -> tuple[int, str]:
+    """``stage="auto"`` for a model of native layers: the planner's stage, which must be 1 or 2.
+
+    DeepSpeed refuses native layers under ZeRO stage 3, so when the planner finds that only stage 3
+    (or offload) fits, the run is refused here, before any process group, rather than failing later
+    (out of memory at stage 2, or DeepSpeed's refusal at stage 3). ``choose_stage(ep_size, native=True)``
+    plans with the layers' own ``ep_size`` and :func:`native_plan_counts`.
+    """
+    stage, reason = choose_stage(native.ep_size, native=True)
+    if stage == 3:
+        raise ZeroMoEConfigError(say("native-moe-zero3", "auto-no-fit", "native-auto-no-fit", count=len(sizes),
+                                     where=_where(sizes), built=native.ep_size, reason=reason))
+    return stage, reason
+
+
+def check_one_kind(found: Discovery, ep_size: int, converts: bool) -> None:
+    """Refuse a model that holds native layers and blocks AutoEP would convert (``converts``: the run is
+    expert-parallel or asks for AutoEP's layer): no AutoEP section is written beside native layers,
+    so the blocks would silently train unconverted."""
+    if found.native_moe and found.blocks and converts:
+        paths = [b.path for b in found.blocks]
+        first = f"'{paths[0]}'" + (f" and {len(paths) - 1} more" if len(paths) > 1 else "")
+        raise ZeroMoEConfigError(say("native-moe-mixed-blocks", "both-kinds", "one-kind", count=len(found.native_moe),
+                                     where=_where(found.native_ep_sizes), built=ep_size, blocks=len(paths),
+                                     first=first, source=found.source))

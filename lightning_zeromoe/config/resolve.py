@@ -22,13 +22,14 @@ Pure: numbers, dicts and the discovery result in; a typed :class:`ResolvedConfig
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from lightning_zeromoe.config.deepspeed import ZeroOptions, build_config, converts_blocks, merge_config
 from lightning_zeromoe.discovery.find import Discovery
-from lightning_zeromoe.config.native_moe import native_ep
+from lightning_zeromoe.config.native_moe import check_one_kind, native_auto_stage, native_ep
 from lightning_zeromoe.config.schema import BatchSection, DeepSpeedConfig, OffloadSection
 from lightning_zeromoe.config.validation import Layout, ZeroMoEConfigError, check_batch_arithmetic, check_layout
 from lightning_zeromoe.knowledge import say
@@ -147,11 +148,14 @@ def grouped_mm_applies(on_cpu: bool, precision: str) -> bool:
 
 
 def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto_stage: bool = False,
-            choose_stage: Callable[[int], tuple[int, str]] | None = None,
+            choose_stage: Callable[..., tuple[int, str]] | None = None,
             keyword_sections: Mapping[str, Any] | None = None,
             user: Mapping[str, Any] | None = None, ep_size_given: bool = True) -> ResolvedConfig:
     """Build, merge and validate the DeepSpeed config. Raises :class:`ZeroMoEConfigError` on bad input.
 
+    ``choose_stage(ep_size)`` runs the memory planner for ``stage="auto"``; for a model of native MoE
+    layers it is called as ``choose_stage(ep_size, native=True)`` and must answer 1 or 2
+    (:func:`~lightning_zeromoe.config.native_moe.native_auto_stage`).
     ``ep_size_given``: whether the user passed ``ep_size`` (False: left unset, and a model of native
     ``deepspeed.moe.layer.MoE`` layers trains with their own size; see :mod:`lightning_zeromoe.config.native_moe`).
     """
@@ -160,13 +164,17 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
     ep_size = effective_ep_size(options.ep_size, user)
     # stage="auto" plans for the ep_size that will run (a config's autoep_size wins over ep_size=).
     choose = (lambda: choose_stage(ep_size)) if choose_stage is not None else None
+    sizes = found.native_ep_sizes
+    native_of = functools.partial(native_ep, sizes, asked=ep_size if ep_size_given else None,
+                                  world_size=world.world_size, user_expert_parallel=user_section(user, "expert_parallel"))
+    if choose_stage is not None and sizes:  # native layers: their own ep_size, and never stage 3
+        choose = lambda: native_auto_stage(native_of(), sizes, choose_stage)  # noqa: E731
     stage, why = effective_stage(options.stage, auto_stage, user, choose)
     if why:
         notes.append(why)
     native = None
     if stage != 3:  # under stage 3, check_layout refuses native MoE outright ([native-moe-zero3])
-        native = native_ep(found.native_ep_sizes, asked=ep_size if ep_size_given else None,
-                           world_size=world.world_size, user_expert_parallel=user_section(user, "expert_parallel"))
+        native = native_of()
     if native is not None:
         ep_size = native.ep_size
         if native.note:
@@ -177,6 +185,8 @@ def resolve(options: ZeroOptions, world: World, found: Discovery | None, *, auto
         options = dataclasses.replace(options, stage=stage, ep_size=ep_size, grouped_experts=grouped)
     except ValueError as err:
         raise ZeroMoEConfigError(say("merged-config-invalid", "options", error=err)) from None
+    if native is not None:
+        check_one_kind(found, ep_size, converts_blocks(options))
     layout = Layout(world_size=world.world_size, devices_per_node=world.devices_per_node, ep_size=ep_size,
                     stage=stage, precision=world.precision, grouped_experts=grouped)
     warnings = check_layout(layout, found)

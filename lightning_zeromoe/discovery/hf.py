@@ -24,6 +24,7 @@ from lightning_zeromoe.discovery.result import (NUM_EXPERTS_FROM_ROUTER, Discove
                                                prefix_pattern)
 from lightning_zeromoe.discovery.hf_semantics import Routing, routing_from_config, text_config, training_only_difference
 from lightning_zeromoe.discovery.structure import BlockLayout, analyse_block, expected_num_experts, find_blocks
+from lightning_zeromoe.knowledge import say
 
 
 def from_hf_structure(root: nn.Module) -> Discovery | None:
@@ -44,8 +45,7 @@ def from_hf_structure(root: nn.Module) -> Discovery | None:
         groups.setdefault(id(holder[1]), (holder[1], []))[1].append(layout)
     if len(groups) > 1:
         where = ", ".join(f"{blocks[0].path} ({cfg.model_type})" for cfg, blocks in groups.values())
-        raise ValueError(f"Found several Hugging Face MoE models ({where}); AutoEP converts one model "
-                         "family per engine. Pass moe_pattern=MoEPattern(...) to choose the blocks.")
+        raise ValueError(say("autoep-several-models", "several-models", "choose-blocks", where=where))
     config, found = next(iter(groups.values()))
     tconfig = text_config(config)
     model_type = getattr(tconfig, "model_type", "?")
@@ -125,8 +125,7 @@ def from_hf_model(root: nn.Module) -> Discovery | None:
         return None
     if len(models) > 1:
         where = ", ".join(f"{m.path or '<root>'} ({m.preset_name})" for m in models)
-        raise ValueError(f"Found several Hugging Face MoE models ({where}); AutoEP converts one model "
-                         "family per engine. Pass moe_pattern=MoEPattern(...) to choose the blocks.")
+        raise ValueError(say("autoep-several-models", "several-models", "choose-blocks", where=where))
     found = models[0]
     preset = _autoep_preset(found.preset_name)
     top_k = getattr(found.model.config, preset.top_k_attr, None)

@@ -32,6 +32,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from lightning_zeromoe.knowledge import say
+
 #: Device types each well-known single backend runs tensor collectives on, preferred first. Gloo
 #: accepts some CUDA tensors too, but not for every collective, so its tensors go through the CPU;
 #: MPI serves CUDA only when built CUDA-aware, which cannot be told from the name.
@@ -54,8 +56,7 @@ def _device_backend_pairs(backend: str) -> dict[str, str]:
     for part in backend.split(","):
         device, sep, name = part.strip().partition(":")
         if not sep or not device.strip() or not name.strip() or ":" in name:
-            raise UnknownBackendError(f"collectives: cannot read the backend string {backend!r}: "
-                                      f"{part!r} is not a 'device:backend' pair (e.g. 'cpu:gloo,cuda:nccl')")
+            raise UnknownBackendError(say("collective-backend", "unreadable", backend=backend, part=part))
         pairs[device.strip()] = name.strip()
     return pairs
 
@@ -92,17 +93,12 @@ def backend_device_types(backend: str, *, accelerator: str | None = None,
         device_type = accelerator or "cpu"
         if device_type in default_device_backend_map:
             return (device_type,)
-        raise UnknownBackendError(f"collectives: the process group was started without a backend, and torch "
-                                  f"has no default backend for this machine's accelerator {device_type!r}; "
-                                  "pass one to init_process_group (e.g. 'nccl', 'gloo', 'cpu:gloo,cuda:nccl')")
+        raise UnknownBackendError(say("collective-backend", "no-default", "pass-backend", device_type=device_type))
     types = [t for t, b in default_device_backend_map.items() if str(b).lower() == name]
     types += [t for t in backend_capability.get(name, ()) if t not in types]
     if not types:
-        raise UnknownBackendError(
-            f"collectives: torch.distributed knows no device type for the backend {backend!r} "
-            "(not in Backend.default_device_backend_map nor Backend.backend_capability), so there is no "
-            "telling where its collectives run. Name it per device in init_process_group, e.g. "
-            f"'cpu:gloo,cuda:{name}', or register it with Backend.register_backend(..., devices=[...]).")
+        raise UnknownBackendError(say("collective-backend", "no-device-type", "name-devices", backend=backend,
+                                      name=name))
     return tuple(types)
 
 

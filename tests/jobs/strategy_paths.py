@@ -19,8 +19,8 @@ Runs (name: what it does):
   bf16_true    stage=3, ep_size=2, precision="bf16-true"
   bf16_mixed   stage=3, ep_size=2, precision="bf16-mixed"
   s3_val       stage=3, ep_size=2: fit, save; validate, test, predict after fit; fresh Trainer validate(ckpt_path=...)
-  native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layers), stage=1, ZeroMoEStrategy's ep_size left
-               unset (taken from the layers)
+  native_s1    native deepspeed.moe.layer.MoE (ep_size=2 in the layers), stage="auto" (the planner, given the
+               layers' ep_size, picks 1; never 3), ZeroMoEStrategy's ep_size left unset (taken from the layers)
   native_s2    the same at stage=2 with ZeroMoEStrategy(ep_size=2)
   grouped      stage=3, ep_size=1, grouped_experts=True (AutoEP's layer, autoep_size=1): fit, save; a fresh
                Trainer with other initial weights resumes from the checkpoint for 2 more steps
@@ -147,7 +147,7 @@ def one_run(name: str, args: argparse.Namespace, world: int) -> dict:
     epoch_steps = steps
     if name.startswith("native"):
         module = NativeMoEModule(ep_size=2, batch_size=BATCH, num_samples=BATCH * world * steps, lr=LR)
-        strategy_kwargs = {"stage": int(name[-1])} | ({"ep_size": 2} if name == "native_s2" else {})
+        strategy_kwargs = {"stage": "auto"} if name == "native_s1" else {"stage": 2, "ep_size": 2}
     else:
         if name == "accum_clip":
             trainer_kwargs.update(accumulate_grad_batches=2, gradient_clip_val=0.05)

@@ -129,11 +129,8 @@ def known_bad_result() -> CheckResult:
     combo = bad[0]
     found = "; ".join(f"{c.package} {compat.installed_version(c.package)} with {c.with_package} "
                       f"{compat.installed_version(c.with_package)}" for c in bad)
-    if combo.id == "transformers-5.23-autoep":
-        advice = {"entry": "autoep-transformers-5.23",
-                  **cite(knowledge.fix("autoep-transformers-5.23", "pin-transformers"))}
-    else:  # a combination with no entry yet: compat's own record says what works
-        advice = {"fix": combo.fix}
+    # compat's record names the entry and fix (tests/test_compat.py checks that they exist)
+    advice = {"entry": combo.entry, **cite(knowledge.get(combo.entry).get_fix(combo.fix_id))}
     return CheckResult("versions.known_bad", "Known-bad combinations", "fail", found,
                        why=combo.symptom, **advice,
                        details={"checked": checked, "matched": [c.id for c in bad]})
