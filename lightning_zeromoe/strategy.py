@@ -233,7 +233,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         if self.resolved is None:
             options, note = options_before_model(
                 self.options, auto_stage=self.auto_stage, user=self.user_config, plan_for=self.plan_for,
-                world=self._world(), builds_later=builds_in_configure_model(self.lightning_module),
+                world=self._launch(), builds_later=builds_in_configure_model(self.lightning_module),
                 device_memory_bytes=lambda: self._planner_inputs()["device_memory_bytes"])
             if note:
                 self._once.info(note)
@@ -318,7 +318,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
                                           stage=None if self.auto_stage else self.options.stage, **self._planner_inputs())
             self.options = dataclasses.replace(self.options, ep_size=ep_size)
             self._once.info(f"ZeroMoEStrategy(ep_size='auto'): {why}")
-        self.resolved = resolve(self.options, self._world(), self.discovery, auto_stage=self.auto_stage,
+        self.resolved = resolve(self.options, self._launch(), self.discovery, auto_stage=self.auto_stage,
                                 choose_stage=lambda ep_size, native=False: choose_stage(  # native: layers' own shares
                                     module, ep_size=ep_size, **self._planner_inputs(),
                                     **({"counts": native_plan_counts(module, ep_size)} if native else {})),
@@ -336,7 +336,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         return self.keywords.config_sections(offload_optimizer=self.options.offload_optimizer,
                                              offload_parameters=self.options.offload_parameters)
 
-    def _world(self) -> World:
+    def _launch(self) -> World:
         """What Lightning launches: ranks, devices per node, where and how they compute."""
         return World(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                      on_cpu=self._on_cpu, precision=str(self.precision_plugin.precision),
@@ -345,9 +345,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
 
     def _planner_inputs(self) -> dict[str, Any]:
         """What the planner reads of this run, for ``stage="auto"`` and ``ep_size="auto"``."""
-        world = self._world()
-        return dict(world_size=world.world_size, devices_per_node=world.devices_per_node, precision=world.precision,
-                    device_memory_bytes=device_memory_bytes(world.on_cpu, self.root_device, world.devices_per_node))
+        return dict(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                    precision=str(self.precision_plugin.precision),
+                    device_memory_bytes=device_memory_bytes(self._on_cpu, self.root_device, self.num_processes))
 
     @property
     def ds_config(self) -> DeepSpeedConfig:
@@ -485,8 +485,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         engine_save.refuse_engine_without_optimizer(self.model, filepath)
         filepath = self.broadcast(filepath)
         if storage_options is not None:
-            raise TypeError("trainer.save_checkpoint(..., storage_options=...) is not supported by ZeroMoEStrategy: "
-                            "DeepSpeed writes the checkpoint itself, without a CheckpointIO.")
+            raise TypeError(say("strategy-argument-invalid", "storage-options", "drop-storage-options"))
         ctx = engine_save.SaveContext(
             global_rank=self.global_rank, is_global_zero=self.is_global_zero, world_size=self.world_size,
             zero_stage_3=self.zero_stage_3, exclude_frozen_parameters=self.exclude_frozen_parameters,
