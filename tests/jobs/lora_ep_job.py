@@ -27,7 +27,7 @@ ZeRO-3 leaf modules, see ``discovery/peft_blocks.py``):
 The path real users take (``P``): the seed-0 model written with ``save_pretrained`` (``P/pretrained``,
 by rank 0), loaded with ``from_pretrained`` inside ``configure_model`` (ZeRO-3 ``zero.Init``: every
 parameter partitioned as it is built) and wrapped there with ``get_peft_model`` (LoRA initialised
-from seed ``PRETRAINED_LORA_SEED``), ``ep_size=2``, 4 steps; saves step 4 (``P/ckpt``); at the start
+from seed ``PRETRAINED_LORA_SEED``), ``ep_size=2``, 2 steps; saves step 2 (``P/ckpt``); at the start
 of training every trainable parameter gathered (``P/lora_start.pt``, rank 0); after ``fit`` the
 engine's logits on the fixed batch.
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             L.seed_everything(0, verbose=False)
             build_hf_model("mixtral").save_pretrained(out / "P" / "pretrained")
         dist.barrier()
-        _run("P", out, seed=0, ep_size=2, max_steps=4, save_every=4, logits=True, pretrained=out / "P" / "pretrained")
+        _run("P", out, seed=0, ep_size=2, max_steps=2, save_every=2, logits=True, pretrained=out / "P" / "pretrained")
     dist.barrier()
     dist.destroy_process_group()
     return 0
