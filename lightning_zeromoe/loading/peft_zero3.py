@@ -14,6 +14,9 @@ when the layer's adapter parameters are partitioned, PEFT's own initialisation r
 gathered (``deepspeed.zero.GatheredParameters``, rank 0 modifies, the result is broadcast), at the
 same point of PEFT's code and so with the same random draws as without ZeRO-3. The base layer's
 weight is gathered too only for initialisations that read it (PiSSA, OLoRA, LoftQ, ...).
+
+LoRA variants (DoRA, ...) initialise from the base weights after that, in code not gathered for:
+an adapter with a variant whose layer is partitioned is refused (``[peft-variant-zero-init]``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def _gathered(reset: Callable[..., Any]) -> Callable[..., Any]:
     @wraps(reset)
     def reset_gathered(self: Any, adapter_name: str, init_lora_weights: Any, *args: Any, **kwargs: Any) -> Any:
         own = [(n, p) for n, p in self.named_parameters() if hasattr(p, "ds_id")]
+        variant = getattr(self, "lora_variant", {}).get(adapter_name)
+        if own and variant is not None:
+            from lightning_zeromoe.knowledge import say
+
+            raise ValueError(say("peft-variant-zero-init", "variant", "wrap-before-training", adapter=adapter_name,
+                                 layer=f"{type(self).__module__}.{type(self).__qualname__}",
+                                 variant=type(variant).__name__))
         if init_lora_weights in _ADAPTER_ONLY_INITS:
             own = [(n, p) for n, p in own if not n.startswith("base_layer.")]
         if not own:
