@@ -11,7 +11,8 @@ One real 2-rank ``torchrun`` launch of ``tests/jobs/lora_ep_job.py`` (its docstr
 AutoEP's layer at ``ep_size=1``, one expert-data-parallel group of 2 ranks; ``T``, ``U``, ``V``: LoRA
 on the fused 3-D expert tensors too, PEFT ``target_parameters``, whose MoE blocks fall back to ZeRO-3
 leaf modules: ``T`` trains and saves with ``ep_size=2``, ``U`` resumes it on the same shape, ``V``
-with ``ep_size=1``). The resumed runs'
+with ``ep_size=1``; ``P``: the path users take, ``from_pretrained`` and ``get_peft_model`` inside
+``configure_model`` under ZeRO-3 ``zero.Init``, trains 2 steps and saves). The resumed runs'
 models are built with other initial values (seed 1), so everything they hold after the load came
 from the checkpoint. Checked against a plain single-process PEFT run (no DeepSpeed, no Lightning,
 AdamW) over the batches each rank received, and against the seed-0 model's own tensors.
@@ -366,3 +367,53 @@ def test_export_refuses_expert_lora_it_cannot_place_rather_than_dropping_it():
     with pytest.raises(ExportError, match=r"^\[export-unsupported-model\] .*model\.layers\.0\.mlp\.experts") as err:
         split_lora(outputs, adapters)
     assert knowledge.match(str(err.value))[0].entry.id == "export-unsupported-model"
+
+
+# ------------------------------------------------------------------ from_pretrained + get_peft_model in configure_model
+
+
+def test_peft_wrapped_inside_configure_model_starts_and_trains_like_plain_peft(runs):
+    """Run ``P``: PEFT's LoRA initialisation under ``zero.Init`` was a no-op on partitioned tensors
+    (``lora_B`` kept ``nn.Linear``'s random values, so training started from another model: first
+    loss off by 5e-4); now the LoRA weights start bit for bit as plain PEFT draws them."""
+    path = runs / "P" / "pretrained"
+    start = torch.load(runs / "P" / "lora_start.pt", weights_only=True)
+    plain = job.pretrained_lora_model(path)
+    expected = {n: p.detach() for n, p in plain.named_parameters() if p.requires_grad}
+    assert sorted(n.removeprefix("net.") for n in start) == sorted(expected) and len(start) == 8
+    for name, value in start.items():
+        assert torch.equal(value, expected[name.removeprefix("net.")]), name
+    assert all(not value.any() for name, value in start.items() if ".lora_B." in name)
+    assert all(value.abs().max() > 0.05 for name, value in start.items() if ".lora_A." in name)
+    steps = _steps(runs, "P")
+    assert sorted(steps) == [1, 2]
+    from lightning_zeromoe.reference.models import SyntheticLMData
+
+    data = SyntheticLMData(num_samples=job.SAMPLES, seq_len=job.SEQ, vocab_size=job.VOCAB, seed=0).tokens
+    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=job.LR, weight_decay=0.0)
+    for step in sorted(steps):
+        per_rank, ours = steps[step]
+        loss = sum(plain(input_ids=data[i], labels=data[i], use_cache=False).loss for i in per_rank) / len(per_rank)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        print(f"P step {step}: relative loss gap {abs(ours - loss.item()) / loss.item():.1e}")
+        assert abs(ours - loss.item()) / loss.item() < RTOL, (step, ours, loss.item())
+
+
+def test_export_of_the_pretrained_peft_run_gives_the_engines_logits(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(runs / "P" / "ckpt" / "step=2.ckpt"),
+                           str(out)], capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = torch.load(runs / "P" / "engine_outputs_rank0.pt", weights_only=True)
+    merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    base = AutoModelForCausalLM.from_pretrained(runs / "P" / "pretrained")
+    with torch.no_grad():
+        logits = merged(input_ids=engine["input_ids"], use_cache=False).logits
+        untrained = base(input_ids=engine["input_ids"], use_cache=False).logits
+    assert torch.allclose(logits, engine["logits"], atol=ATOL), (logits - engine["logits"]).abs().max()
+    assert (untrained - engine["logits"]).abs().max() > 100 * ATOL  # the adapter is in the merged model

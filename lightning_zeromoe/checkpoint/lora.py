@@ -17,6 +17,13 @@ so the base tensors are ``X.base_layer.base_layer.P`` and the adapters sit at ``
 ``scaling * B[:, :, e] @ A[e]`` with ``A`` viewed ``[E, r, in]`` and ``B`` viewed ``[out, r, E]``,
 transposed to ``[in, out]`` unless PEFT swapped in and out (``[E, out, in]`` layouts, Mixtral's).
 An adapter pair that no base tensor takes is refused: the merged model would silently lack it.
+
+LoRA on an embedding holds ``X.lora_embedding_A.<adapter>`` ``[r, num_embeddings]`` and
+``X.lora_embedding_B.<adapter>`` ``[dim, r]`` (parameters, no ``.weight``); its delta is
+``scaling * (B @ A).T``. ``modules_to_save`` keeps ``X.original_module.P`` (frozen) and
+``X.modules_to_save.<adapter>.P`` (trained): the merged model takes the trained copy as ``X.P``,
+the adapter saves it as ``X.P`` (PEFT's own key). Any other PEFT tensor (DoRA's magnitude, a LoRA
+bias, trainable tokens) left in a merged name is refused, never written as a stray tensor.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ from lightning_zeromoe.checkpoint.meta import LoraAdapter
 from lightning_zeromoe.checkpoint.plan import OutputTensor
 from lightning_zeromoe.knowledge import say
 
-_LORA = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.(?P<adapter>[^.]+)\.weight")
+_LORA = re.compile(r"(?P<module>.+)\.lora_(?P<embedding>embedding_)?(?P<ab>[AB])\.(?P<adapter>[^.]+)(?P<leaf>\.weight)?")
+_SAVED = re.compile(r"(?P<module>.+)\.(?P<kind>modules_to_save|original_module)\.(?P<rest>.+)")
+#: Pieces of a name only PEFT's wrappers have: one left in a merged name would be a stray tensor.
+_PEFT_PIECES = (".lora_", ".base_layer.", ".modules_to_save.", ".original_module.", ".token_adapter.")
 
 
 def split_lora(outputs: list[OutputTensor], adapters: list[LoraAdapter]) -> tuple[list[OutputTensor], list[OutputTensor]]:
@@ -44,25 +54,37 @@ def split_lora(outputs: list[OutputTensor], adapters: list[LoraAdapter]) -> tupl
         raise ExportError(say(UNSUPPORTED_MODEL, "not-plain-lora", "merge-yourself", name=adapter.name,
                               peft_type=cfg.get('peft_type'), use_dora=cfg.get('use_dora'),
                               rank_pattern=cfg.get('rank_pattern'), alpha_pattern=cfg.get('alpha_pattern')))
-    by_name = {o.name: o for o in outputs}
-    if any(".modules_to_save." in n or ".original_module." in n for n in by_name):
-        raise ExportError(say(UNSUPPORTED_MODEL, "modules-to-save", "merge-yourself"))
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))
     pairs: dict[str, dict[str, OutputTensor]] = {}
+    embeddings: set[str] = set()
     adapter_out: list[OutputTensor] = []
+    rest: list[OutputTensor] = []
     for o in outputs:
         m = _LORA.fullmatch(o.name)
-        if m and m["adapter"] == adapter.name:
+        saved = _SAVED.fullmatch(o.name)
+        if m and m["adapter"] == adapter.name and bool(m["embedding"]) != bool(m["leaf"]):
             pairs.setdefault(m["module"], {})[m["ab"]] = o
-            adapter_out.append(OutputTensor(f"{adapter.peft_prefix}{m['module']}.lora_{m['ab']}.weight", o.shape, o.build))
+            if m["embedding"]:
+                embeddings.add(m["module"])
+            kind = "lora_embedding_" if m["embedding"] else "lora_"
+            adapter_out.append(OutputTensor(f"{adapter.peft_prefix}{m['module']}.{kind}{m['ab']}{m['leaf'] or ''}",
+                                            o.shape, o.build))
+        elif saved and saved["kind"] == "original_module":
+            continue  # the frozen original beside a modules_to_save copy: merge_and_unload drops it
+        elif saved and saved["rest"].startswith(adapter.name + "."):
+            # modules_to_save: the trained copy takes the module's own name (merge_and_unload keeps it).
+            leaf = saved["rest"][len(adapter.name) + 1:]
+            rest.append(OutputTensor(f"{saved['module']}.{leaf}", o.shape, o.build))
+            adapter_out.append(OutputTensor(f"{adapter.peft_prefix}{saved['module']}.{leaf}",
+                                            o.shape, o.build))
+        else:
+            rest.append(o)
     wrappers = adapter.param_wrappers
     merged: list[OutputTensor] = []
     used: set[str] = set()
-    for o in outputs:
-        if _LORA.fullmatch(o.name):
-            continue
+    for o in rest:
         if ".base_layer." not in o.name:
             merged.append(o)
             continue
@@ -77,14 +99,24 @@ def split_lora(outputs: list[OutputTensor], adapters: list[LoraAdapter]) -> tupl
         elif leaf == "weight" and len(chain) == 1 and chain[0] in pairs and chain[0] not in wrappers:
             used.add(chain[0])
             ab = pairs[chain[0]]
-            merged.append(OutputTensor(name, o.shape, _merge(o, ab["A"], ab["B"], scaling, fan_in_fan_out)))
+            # An embedding's delta is (B @ A).T ([num_embeddings, dim]), whatever fan_in_fan_out says.
+            transpose = True if chain[0] in embeddings else fan_in_fan_out
+            merged.append(OutputTensor(name, o.shape, _merge(o, ab["A"], ab["B"], scaling, transpose)))
         else:
             merged.append(OutputTensor(name, o.shape, o.build))
-    unmerged = sorted(set(pairs) - used)
+    unmerged = sorted(m for m in set(pairs) - used if {"A", "B"} <= set(pairs[m]))
     if unmerged:
         raise ExportError(say(UNSUPPORTED_MODEL, "unmerged-lora", "resave-with-wrappers",
-                              modules=", ".join(unmerged[:4]) + (" ..." if len(unmerged) > 4 else "")))
+                              modules=_few(unmerged)))
+    stray = sorted(o.name for o in merged if any(p in o.name + "." for p in _PEFT_PIECES)) + sorted(
+        m for m in pairs if not {"A", "B"} <= set(pairs[m]))
+    if stray:
+        raise ExportError(say(UNSUPPORTED_MODEL, "peft-leftovers", "merge-yourself", names=_few(stray)))
     return merged, adapter_out
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
 
 
 def _wrapper_chain(module: str) -> list[str]:

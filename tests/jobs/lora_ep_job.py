@@ -24,6 +24,13 @@ ZeRO-3 leaf modules, see ``discovery/peft_blocks.py``):
 * ``U``: seed 1 resumes ``T@2`` with ``ep_size=2`` (same shape), steps 3-4.
 * ``V``: seed 1 resumes ``T@2`` with ``ep_size=1`` (another shape), step 3.
 
+The path real users take (``P``): the seed-0 model written with ``save_pretrained`` (``P/pretrained``,
+by rank 0), loaded with ``from_pretrained`` inside ``configure_model`` (ZeRO-3 ``zero.Init``: every
+parameter partitioned as it is built) and wrapped there with ``get_peft_model`` (LoRA initialised
+from seed ``PRETRAINED_LORA_SEED``), ``ep_size=2``, 2 steps; saves step 2 (``P/ckpt``); at the start
+of training every trainable parameter gathered (``P/lora_start.pt``, rank 0); after ``fit`` the
+engine's logits on the fixed batch.
+
 Each resumed run writes, right after the load (``on_train_start``), every frozen parameter it
 holds (gathered; AutoEP layers' local expert ids with them) to ``<run>/frozen_rank<R>.pt``. Every
 run writes ``<run>/rank<R>.json``: per step the global step, the sample indices this rank got
@@ -70,6 +77,20 @@ def lora_model(seed: int, experts: bool = False) -> torch.nn.Module:
     return get_peft_model(build_hf_model("mixtral"), LoraConfig(**(LORA_EXPERTS if experts else LORA)))
 
 
+#: Run ``P``: the seed LoRA's initial values are drawn from, right before ``get_peft_model``.
+PRETRAINED_LORA_SEED = 7
+
+
+def pretrained_lora_model(path: Path) -> torch.nn.Module:
+    """``from_pretrained(path)`` wrapped with LoRA drawn from ``PRETRAINED_LORA_SEED`` (also the plain reference)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path)
+    L.seed_everything(PRETRAINED_LORA_SEED, verbose=False)
+    return get_peft_model(base, LoraConfig(**LORA))
+
+
 def fixed_batch() -> torch.Tensor:
     return SyntheticLMData(num_samples=2, seq_len=SEQ - 1, vocab_size=VOCAB, seed=1234).tokens
 
@@ -78,6 +99,7 @@ class LoraModule(L.LightningModule):
     def __init__(self, net: torch.nn.Module, capture: Path | None = None, capture_end: Path | None = None) -> None:
         super().__init__()
         self.net = net
+        self.pretrained: Path | None = None
         self.capture = capture
         self.capture_end = capture_end
         self.steps: list[dict[str, Any]] = []
@@ -93,6 +115,14 @@ class LoraModule(L.LightningModule):
         return loss
 
     def on_train_start(self) -> None:
+        if self.pretrained is not None:  # run P: the LoRA weights training starts from, gathered
+            import deepspeed
+
+            lora = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters([p for _, p in lora]):
+                values = {n: p.detach().clone() for n, p in lora}
+            if self.global_rank == 0:
+                torch.save(values, self.capture_end / "lora_start.pt")
         if self.capture is None:
             return
         import deepspeed
@@ -121,6 +151,11 @@ class LoraModule(L.LightningModule):
             self.capture_end.mkdir(parents=True, exist_ok=True)
             torch.save(values, self.capture_end / "params_end.pt")
 
+    def configure_model(self) -> None:
+        """Run ``P``: the pretrained model loaded and wrapped here, under ``zero.Init``."""
+        if self.net is None and self.pretrained is not None:
+            self.net = pretrained_lora_model(self.pretrained)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
 
@@ -142,11 +177,17 @@ def _trainer(ep_size: int, max_steps: int, ckpt_dir: Path | None = None, every: 
 
 
 def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resume: Path | None = None,
-         save_every: int | None = None, logits: bool = False, grouped: bool = False, experts: bool = False) -> None:
+         save_every: int | None = None, logits: bool = False, grouped: bool = False, experts: bool = False,
+         pretrained: Path | None = None) -> None:
     t0 = time.perf_counter()
     run_dir = out / name
-    module = LoraModule(lora_model(seed, experts), capture=run_dir if resume is not None else None,
-                        capture_end=run_dir if experts and resume is None else None)
+    if pretrained is not None:
+        module = LoraModule(None, capture_end=run_dir)
+        module.pretrained = pretrained
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        module = LoraModule(lora_model(seed, experts), capture=run_dir if resume is not None else None,
+                            capture_end=run_dir if experts and resume is None else None)
     trainable_before = sorted(n for n, p in module.named_parameters() if p.requires_grad)
     trainer = _trainer(ep_size, max_steps, run_dir / "ckpt" if save_every else None, save_every or 2, grouped)
     trainer.fit(module, ckpt_path=resume)
@@ -172,7 +213,7 @@ def _run(name: str, out: Path, *, seed: int, ep_size: int, max_steps: int, resum
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--only", default="ABCDETUV", help="which runs (for reproducing one by hand)")
+    parser.add_argument("--only", default="ABCDETUVP", help="which runs (for reproducing one by hand)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
@@ -194,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         _run("U", out, seed=1, ep_size=2, max_steps=4, resume=out / "T" / "ckpt" / "step=2.ckpt", experts=True)
     if "V" in args.only:
         _run("V", out, seed=1, ep_size=1, max_steps=3, resume=out / "T" / "ckpt" / "step=2.ckpt", experts=True)
+    if "P" in args.only:
+        if dist.get_rank() == 0:
+            L.seed_everything(0, verbose=False)
+            build_hf_model("mixtral").save_pretrained(out / "P" / "pretrained")
+        dist.barrier()
+        _run("P", out, seed=0, ep_size=2, max_steps=2, save_every=2, logits=True, pretrained=out / "P" / "pretrained")
     dist.barrier()
     dist.destroy_process_group()
     return 0

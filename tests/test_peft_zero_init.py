@@ -1,0 +1,42 @@
+"""PEFT's LoRA initialisation inside ``configure_model`` under ZeRO-3 ``zero.Init``
+(``lightning_zeromoe/loading/peft_zero3.py``), on a real ``zero.Init`` in a one-process world.
+
+``tests/jobs/peft_zero_init_job.py`` wraps a tiny Mixtral with ``get_peft_model`` plainly and under
+``zero.Init`` from the same seeds and compares the adapter tensors. Without the strategy's wrapper
+PEFT's in-place initialisation is a no-op on the partitioned ``lora_A``/``lora_B`` (they keep
+``nn.Linear``'s draws: ``lora_B`` is not zero); with it they are PEFT's own values bit for bit. The
+2-rank path (``from_pretrained`` + ``get_peft_model`` in ``configure_model``, trained, saved and
+exported) is run ``P`` of ``tests/test_lora_ep.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support.jobs import free_port, run_job
+
+pytest.importorskip("peft")
+
+
+def _result(gathered: int, cases: str) -> dict:
+    proc = run_job("peft_zero_init_job.py", "--gathered", str(gathered), "--port", str(free_port()), "--cases", cases,
+                   timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_lora_init_under_zero_init_is_peft_own_and_variants_are_refused():
+    fixed = _result(1, "linear,embedding,modules_to_save,fused_experts,dora")
+    # PEFT alone raises IndexError on DoRA (seen by hand); the refusal above is the strategy's.
+    raw = _result(0, "linear,embedding,modules_to_save,fused_experts")
+    for case in ("linear", "embedding", "modules_to_save", "fused_experts"):
+        assert fixed[case]["partitioned_adapters"] >= 2, fixed[case]  # zero.Init did partition them
+        assert fixed[case]["differ"] == [], (case, fixed[case])
+        # Without the wrapper the partitioned adapters kept other values: the check above can fail.
+        assert len(raw[case]["differ"]) == fixed[case]["partitioned_adapters"], (case, raw[case])
+    assert fixed["modules_to_save"]["copies"] == 1  # the trained copy starts as the original module
+    assert fixed["dora"]["error"].startswith("[peft-variant-zero-init] PEFT adapter 'default' on a "
+                                             "peft.tuners.lora.layer.Linear layer is a LoRA variant (DoraLinearVariant)")
