@@ -23,14 +23,10 @@ from troubleshooter import knowledge, lint
 #: Files exempt from the prose check (their citations are still checked). Empty: the doctor and
 #: the walkthroughs cite the knowledge base like everything else. Nothing may be added to it.
 PENDING: set[str] = set()
-#: lightning_zeromoe modules whose messages still hold their own advice (outside what issue 22
-#: item 3 converted: the strategy, config validation/resolve/keywords, pitfalls, monitor,
-#: balancing, moe_groups, exporter and resume). To be converted, then removed from here; the test
-#: below fails on an entry that no longer holds any, so the list only shrinks.
-PENDING_LIBRARY: dict[str, str] = {
-    "lightning_zeromoe/discovery/hf_semantics.py": "no top_k for a block without a config",
-    "lightning_zeromoe/planner/plan.py": "the planner's recommendations",
-}
+#: lightning_zeromoe modules whose messages still hold their own advice. Empty: issue 22 item 3
+#: converted every module (the last two: discovery/hf_semantics.py and planner/plan.py). The test
+#: below fails on an entry that no longer holds any, so the list can only shrink.
+PENDING_LIBRARY: dict[str, str] = {}
 
 
 def _pending(path: str) -> bool:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_zeromoe.knowledge import compose
+
 
 @dataclass(frozen=True)
 class FamilyFacts:
@@ -353,7 +355,7 @@ def default_routing(overrides: dict[str, Any]) -> Routing | str:
     """Routing for a model without an HF config: softmax, renormalised top-k, scale 1, unless set."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if "top_k" not in overrides:
-        return "no top_k: set MoEPattern(top_k=...) (the model has no Hugging Face config to read it from)"
+        return compose("autoep-top-k-undetermined", "pattern-without-config", "moe-pattern-top-k")
     values = dict(score_func="softmax", route_norm=True, route_scale=1.0)
     values.update({k: overrides[k] for k in ("score_func", "route_norm", "route_scale") if k in overrides})
     origin = tuple((k, f"{v!r} ({'MoEPattern' if k in overrides else 'default for models without an HF config'})")

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from lightning_zeromoe import knowledge
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES, normalize_precision
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, _states, estimate_activations
@@ -89,9 +90,10 @@ class Plan:
     def memory_basis(self) -> str:
         """What :meth:`device_bytes` counts, in words."""
         if self.units and self.activations is not None:
-            return "modelled peak of the first or a steady step (states, ZeRO working set, buffers, activations)"
-        return ("model states" + (" + activations" if self.activations else " (no activation estimate: "
-                "pass micro_batch and seq_len)") + " + buckets")
+            return knowledge.message(_ENTRY, "basis-peak").render()
+        if self.activations:
+            return knowledge.message(_ENTRY, "basis-activations").render()
+        return knowledge.message(_ENTRY, "basis-states").render(advice=knowledge.fix(_ENTRY, "pass-batch-shape").render())
 
     def fits(self, setup: Setup) -> bool:
         if self.device_bytes(setup) > self.usable_bytes:
@@ -113,36 +115,37 @@ class Plan:
             if self.fits(setup):
                 fitting.append(setup)
             elif need > self.usable_bytes:
-                rejected.append(f"{setup.label} needs {_gb(need)} GB")
+                rejected.append(knowledge.message(_ENTRY, "needs-device").render(label=setup.label, need=_gb(need)))
             else:
-                rejected.append(f"{setup.label} needs {_gb(self.estimates[setup].host * self.gpus_per_node)} GB "
-                                f"of host memory per node, more than {_gb(self.host_memory_bytes or 0)} GB")
+                rejected.append(knowledge.message(_ENTRY, "needs-host").render(
+                    label=setup.label, need=_gb(self.estimates[setup].host * self.gpus_per_node),
+                    host=_gb(self.host_memory_bytes or 0)))
         if not fitting:
-            return Recommendation(None, None, "Nothing fits: " + "; ".join(rejected) + ". Add GPUs, shorten the "
-                                  "sequence or micro-batch, use activation checkpointing, or add host memory.")
+            return Recommendation(None, None, knowledge.compose(_ENTRY, "nothing-fits", "more-memory",
+                                                                rejected="; ".join(rejected)))
         ranked = fastest_first(fitting, self.step_times)
         setup = ranked[0]
-        need = self.device_bytes(setup)
-        reason = (f"{setup.label}: {_gb(need)} GB per GPU ({what}) of {_gb(self.usable_bytes)} GB usable "
-                  f"({_gb(self.gpu_memory_bytes)} GB minus {self.headroom:.0%} headroom)")
+        reason = knowledge.message(_ENTRY, "chosen").render(
+            label=setup.label, need=_gb(self.device_bytes(setup)), basis=what, usable=_gb(self.usable_bytes),
+            total=_gb(self.gpu_memory_bytes), headroom=f"{self.headroom:.0%}")
         if setup in self.step_times:
-            reason += f", predicted step {self.step_time_text(setup)}"
+            reason += ", " + knowledge.message(_ENTRY, "step").render(step=self.step_time_text(setup))
         if len(ranked) > 1:
             other = ranked[1]
-            reason += (f"; runner-up {other.label}: {_gb(self.device_bytes(other))} GB"
-                       + (f", {format_seconds(self.step_times[other].total)}" if other in self.step_times else ""))
-            if other in self.step_times and setup in self.step_times and \
-                    self.step_times[other].total <= self.step_times[setup].total * (1 + _TIE):
-                reason += " (a tie: the less aggressive setup wins)"
-            reason += "."
+            tie = (other in self.step_times and setup in self.step_times
+                   and self.step_times[other].total <= self.step_times[setup].total * (1 + _TIE))
+            reason += "; " + knowledge.message(_ENTRY, "runner-up").render(
+                label=other.label, need=_gb(self.device_bytes(other)),
+                step=f", {format_seconds(self.step_times[other].total)}" if other in self.step_times else "",
+                tie=" " + knowledge.message(_ENTRY, "tie").render() if tie else "")
         else:
-            reason += "; it is the only setup that fits."
+            reason += "; " + knowledge.message(_ENTRY, "only-fit").render()
         if rejected:
-            reason += " Not fitting: " + "; ".join(rejected) + "."
+            reason += " " + knowledge.message(_ENTRY, "not-fitting").render(rejected="; ".join(rejected))
         host = self.estimates[setup].host
         if host:
-            reason += (f" Offload keeps {_gb(host)} GB per GPU ({_gb(host * self.gpus_per_node)} GB per "
-                       f"node) in host memory; its PCIe traffic and CPU Adam time are in the step time.")
+            reason += " " + knowledge.message(_ENTRY, "offload-host").render(
+                per_gpu=_gb(host), per_node=_gb(host * self.gpus_per_node))
         return Recommendation(setup, self.estimates[setup], reason + self._about_requested(setup))
 
     def step_time_text(self, setup: Setup) -> str:
@@ -160,12 +163,15 @@ class Plan:
         if req is None or req == best:
             return ""
         if not self.fits(req):
-            return f" You asked for {req.label}, which does not fit ({_gb(self.device_bytes(req))} GB)."
+            return " " + knowledge.message(_ENTRY, "requested-no-fit").render(
+                label=req.label, need=_gb(self.device_bytes(req)))
         if req in self.step_times and best in self.step_times:
-            return (f" You asked for {req.label}: it fits, predicted {format_seconds(self.step_times[req].total)} "
-                    f"per step against {format_seconds(self.step_times[best].total)}"
-                    + (" (PCIe/CPU-Adam time included)" if req.offload_optimizer else "") + ".")
-        return f" You asked for {req.label}: it fits, but {best.label} is predicted faster."
+            return " " + knowledge.message(_ENTRY, "requested-slower").render(
+                label=req.label, requested=format_seconds(self.step_times[req].total),
+                best=format_seconds(self.step_times[best].total),
+                offload=(" " + knowledge.message(_ENTRY, "requested-offload-time").render()
+                         if req.offload_optimizer else ""))
+        return " " + knowledge.message(_ENTRY, "requested-fits").render(label=req.label, best=best.label)
 
     def table(self) -> str:
         """Markdown table, GB (10^9 bytes) per GPU; the last memory column is :meth:`device_bytes`."""
@@ -179,6 +185,10 @@ class Plan:
                         f"{_gb(e.device_total)} | {_gb(self.device_bytes(setup))} | {_gb(e.host)} | "
                         f"{'yes' if self.fits(setup) else 'no'} |")
         return "\n".join(rows)
+
+
+#: The knowledge-base entry every reason and piece of advice of the planner is rendered from.
+_ENTRY = "planner-recommendation"
 
 
 def _gb(n: float) -> str:
@@ -339,19 +349,19 @@ def choose_stage(model: Any, world_size: int, devices_per_node: int, ep_size: in
     device, the answer is 3 and the reason says which offload setting would. A model built under
     ``zero.Init`` (in ``configure_model``) is already partitioned: it keeps stage 3."""
     if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
-        return 3, ("stage=3: the model was built under zero.Init in configure_model and is already "
-                   "partitioned, so a lower stage would first have to gather it whole on every rank.")
+        return 3, knowledge.message(_ENTRY, "auto-partitioned").render()
     result = plan(model, num_gpus=world_size, gpus_per_node=devices_per_node, ep_size=ep_size,
                   gpu_memory_bytes=device_memory_bytes, precision=precision, **plan_kwargs)
     on_device = result.recommend(on_device_only=True)
     if on_device.setup is not None:
-        return on_device.setup.stage, f"stage={on_device.setup.stage} chosen by the planner. {on_device.reason}"
+        return on_device.setup.stage, knowledge.message(_ENTRY, "auto-chosen").render(
+            stage=on_device.setup.stage, reason=on_device.reason)
     rec = result.recommend()
     if rec.setup is not None:
-        return 3, (f"stage=3 chosen, but it does not fit without offload; pass "
-                   f"{', '.join(f'{k}=True' for k, v in rec.setup.strategy_kwargs().items() if v is True)} "
-                   f"to fit. Planner: {rec.reason}")
-    return 3, f"stage=3 chosen, but the planner finds no setup that fits. {rec.reason}"
+        flags = ", ".join(f"{k}=True" for k, v in rec.setup.strategy_kwargs().items() if v is True)
+        return 3, knowledge.message(_ENTRY, "auto-needs-offload").render(
+            advice=knowledge.fix(_ENTRY, "pass-offload").render(flags=flags), reason=rec.reason)
+    return 3, knowledge.message(_ENTRY, "auto-no-fit").render(reason=rec.reason)
 
 
 # ---------------------------------------------------------------------------------------- reports
