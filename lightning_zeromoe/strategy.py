@@ -272,16 +272,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         model partitioned (not on the meta device) and copy each rank's slice of the checkpoint
         straight into its partition: no rank ever holds the whole model. AutoEP converts the MoE
         blocks later, inside ``deepspeed.initialize``. The heap is trimmed after each partitioned
-        module (:func:`lightning_zeromoe.loading.memory_release.trim_after_each_partition`). PEFT's
-        LoRA initialisation runs on gathered parameters (:mod:`lightning_zeromoe.loading.peft_zero3`).
+        module, and PEFT's LoRA initialisation runs on gathered parameters
+        (:func:`lightning_zeromoe.loading.while_building`).
         """
-        from lightning_zeromoe.loading.hf_zero3 import transformers_zero3
-        from lightning_zeromoe.loading.memory_release import trim_after_each_partition
-        from lightning_zeromoe.loading.peft_zero3 import peft_init_gathered
+        from lightning_zeromoe.loading import while_building
 
-        stage_3 = self.zero_stage_3
-        with super().model_sharded_context(), trim_after_each_partition(stage_3), \
-                transformers_zero3(self.ds_config if stage_3 else None), peft_init_gathered(stage_3):
+        with super().model_sharded_context(), while_building(self.ds_config if self.zero_stage_3 else None):
             yield
 
     @override

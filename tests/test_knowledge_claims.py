@@ -593,6 +593,8 @@ CHECKED = {
                          "test_plan_for.py::test_a_hub_id_reads_only_its_config_and_says_so_when_it_cannot"],
     "stage-auto-kept-3": [
         "test_plan_for.py::test_auto_without_plan_for_keeps_3_for_a_configure_model_module_and_says_how_to_plan"],
+    "peft-variant-zero-init": [
+        "test_peft_zero_init.py::test_lora_init_under_zero_init_is_peft_own_and_variants_are_refused"],
     "autoep-several-models": ["test_library_refusals.py::test_two_hf_moe_models_refusal_names_its_entry"],
     "collective-backend": ["test_library_refusals.py::test_collectives_refusals_name_their_entry"],
     "native-moe-mixed-blocks": ["test_native_moe_auto.py::test_native_layers_beside_autoep_blocks_are_refused",
