@@ -304,7 +304,7 @@ def main() -> int:
     rho = spearman([preds[n].total for n in names], [meas[n] for n in names])
     if rank == 0:
         pr, mr = ranks([preds[n].total for n in names]), ranks([meas[n] for n in names])
-        print(f"\n| setup | predicted s/step (compute + comm + ZeRO-3 host) | measured s/step (median) | predicted rank "
+        print("\n| setup | predicted s/step (compute + comm + ZeRO-3 host) | measured s/step (median) | predicted rank "
               "| measured rank |")
         print("|---|---:|---:|---:|---:|")
         for i, n in enumerate(names):

@@ -34,6 +34,7 @@ EXPECTED = {
     "real_save_after_evaluation.txt": "save-after-evaluation",
     "real_checkpoint_disk_full.txt": "checkpoint-disk-full",
     "real_autoep_frozen_experts.txt": "autoep-frozen-experts",
+    "real_peft_dora_zero_init.txt": "peft-variant-zero-init",
     "real_strategy_refusals.txt": "offload-needs-ds-cpu-optimizer",
     "zeromoe_export_errors.txt": "export-untrusted-object",
     "real_native_moe_zero3.txt": "native-moe-zero3",

@@ -13,9 +13,9 @@ Three layers of evidence, cheapest first:
    that it detects when pointed at the bare HF model the way AutoEP is normally used. Negative
    controls show the same parser finds nothing without the re-rooted pattern and fails without
    the lent config, so agreement is not an accident. No processes are needed for any of this.
-3. Two real trainings (``tests/jobs/train_hf.py``, Mixtral and Qwen3-MoE, 2 CPU ranks, ZeRO-3,
+3. A real training (``tests/jobs/train_hf.py``, Mixtral, 2 CPU ranks, ZeRO-3,
    EP=2, 5 steps) run as subprocesses, because Lightning starts the second rank by re-running a
-   script. Their per-rank JSON is checked for converted blocks, the experts each rank actually
+   script. Its per-rank JSON is checked for converted blocks, the experts each rank actually
    holds, finite and falling losses, and HF's router logits / aux loss after AutoEP's replacement.
 """
 
@@ -314,9 +314,11 @@ def _run_job(family: str, out: Path, timeout: int = JOB_TIMEOUT_S) -> tuple[subp
     return proc, time.perf_counter() - start
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral"])
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One 5-step training run per family, shared by the assertions below."""
+    """One 5-step training run, shared by the assertions below. Mixtral only: Qwen3-MoE (and every
+    other type) trains in the zoo launch of ``tests/test_hf_coverage.py``, at parity with HF's own
+    loss and aux loss and with as many router logits as the plain run (a second launch here cost ~30 s)."""
     family = request.param
     out = tmp_path_factory.mktemp(f"hf_{family}")
     proc, wall = _run_job(family, out)

@@ -186,23 +186,30 @@ def test_resumed_frozen_parameters_equal_the_saved_ones_bit_for_bit(runs, run):
 # ------------------------------------------------------------------ export
 
 
-def test_export_of_a_frozen_expert_checkpoint_loads_and_gives_the_trained_logits(runs, tmp_path):
-    from peft import PeftModel
-    from safetensors.torch import load_file
+def _export(runs: Path, run: str, ckpt: str, out: Path) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``zeromoe-export`` of ``run``'s ``ckpt`` into ``out`` (a real subprocess); the engine's input ids
+    and logits (equal on both ranks), and the largest gap of the merged export's logits to them."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(runs / "A" / "ckpt" / "step=6.ckpt"),
-                           str(out)], capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(runs / run / "ckpt" / ckpt), str(out)],
+                          capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    engine = [torch.load(runs / "A" / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
+    engine = [torch.load(runs / run / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
     assert torch.allclose(engine[0]["logits"], engine[1]["logits"], atol=1e-6)
     ids, logits = engine[0]["input_ids"], engine[0]["logits"]
     merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     merged.eval()
     with torch.no_grad():
-        diff_merged = (merged(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+        return ids, logits, (merged(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+
+
+def test_export_of_a_frozen_expert_checkpoint_loads_and_gives_the_trained_logits(runs, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    ids, logits, diff_merged = _export(runs, "A", "step=6.ckpt", out)
     base = _plain_seed0_model()  # the frozen base the run started from (same seed), without the adapter
     base.eval()
     with torch.no_grad():
@@ -301,20 +308,9 @@ def test_expert_lora_resume_restores_every_frozen_tensor_bit_for_bit(runs, run):
 def test_export_merges_the_expert_lora_and_gives_the_trained_logits(runs, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "lightning_zeromoe.export", str(runs / "T" / "ckpt" / "step=4.ckpt"),
-                           str(out)], capture_output=True, text=True, timeout=300, env=job_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    engine = [torch.load(runs / "T" / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
-    assert torch.allclose(engine[0]["logits"], engine[1]["logits"], atol=1e-6)
-    ids, logits = engine[0]["input_ids"], engine[0]["logits"]
-    merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    merged.eval()
-    with torch.no_grad():
-        diff_merged = (merged(input_ids=ids, use_cache=False).logits - logits).abs().max().item()
+    ids, logits, diff_merged = _export(runs, "T", "step=4.ckpt", out)
     # The experts were merged: they are no longer the frozen base (an export that dropped the adapter would be).
     end = torch.load(runs / "T" / "params_end.pt", weights_only=True)
     state = load_file(out / "model.safetensors")

@@ -13,7 +13,6 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_zeromoe import ZeroMoEStrategy
 from lightning_zeromoe.config.deepspeed import ZeroOptions
 from lightning_zeromoe.config.native_moe import native_plan_counts
 from lightning_zeromoe.config.resolve import World, resolve

@@ -20,8 +20,9 @@ from support.jobs import free_port, run_job
 pytest.importorskip("peft")
 
 
-def _result(gathered: int, cases: str) -> dict:
-    proc = run_job("peft_zero_init_job.py", "--gathered", str(gathered), "--port", str(free_port()), "--cases", cases,
+def _results(cases: str) -> dict:
+    """One process: every case with the strategy's wrapper ("1") and without it ("0")."""
+    proc = run_job("peft_zero_init_job.py", "--gathered", "1,0", "--port", str(free_port()), "--cases", cases,
                    timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
@@ -29,9 +30,9 @@ def _result(gathered: int, cases: str) -> dict:
 
 
 def test_lora_init_under_zero_init_is_peft_own_and_variants_are_refused():
-    fixed = _result(1, "linear,embedding,modules_to_save,fused_experts,dora")
-    # PEFT alone raises IndexError on DoRA (seen by hand); the refusal above is the strategy's.
-    raw = _result(0, "linear,embedding,modules_to_save,fused_experts")
+    results = _results("linear,embedding,modules_to_save,fused_experts,dora")
+    # PEFT alone raises IndexError on DoRA (seen by hand, not run without the wrapper); the refusal is the strategy's.
+    fixed, raw = results["1"], results["0"]
     for case in ("linear", "embedding", "modules_to_save", "fused_experts"):
         assert fixed[case]["partitioned_adapters"] >= 2, fixed[case]  # zero.Init did partition them
         assert fixed[case]["differ"] == [], (case, fixed[case])

@@ -9,7 +9,6 @@ kind of model. :func:`after_conversion` restores what AutoEP's layer does not re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch.nn import Module
 

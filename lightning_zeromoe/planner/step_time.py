@@ -190,7 +190,6 @@ def bus_factor(collective: str, n: int) -> float:
 def _calls(shape: CommShape, prediction: CommPrediction) -> dict[tuple[str, str], int]:
     """Collective calls per optimizer step, for the latency term (an estimate; see the module docstring)."""
     W, ep, A = shape.world, shape.ep_size, shape.accumulation
-    D = W // ep
     apart = ep > 1
     dense = list(shape.counts.dense) + ([] if apart else list(shape.counts.expert))
     local = [n // ep for n in shape.counts.expert] if apart else []
