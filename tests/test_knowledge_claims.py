@@ -597,6 +597,7 @@ CHECKED = {
         "test_peft_zero_init.py::test_lora_init_under_zero_init_is_peft_own_and_variants_are_refused"],
     "autoep-several-models": ["test_library_refusals.py::test_two_hf_moe_models_refusal_names_its_entry"],
     "collective-backend": ["test_library_refusals.py::test_collectives_refusals_name_their_entry"],
+    "moe-pattern-routing": ["test_library_refusals.py::test_a_pattern_whose_routing_cannot_be_written_names_its_entry"],
     "native-moe-mixed-blocks": ["test_native_moe_auto.py::test_native_layers_beside_autoep_blocks_are_refused",
                                 "test_native_moe_auto.py::test_native_layers_without_expert_parallelism_beside_blocks_train_as_built"],
 }

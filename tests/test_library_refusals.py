@@ -67,3 +67,19 @@ def test_two_hf_moe_models_refusal_names_its_entry():
         discover(TwoModels())
     assert _entry(str(err.value)) == "autoep-several-models"
     assert "(teacher (mixtral), student (mixtral))" in str(err.value) and "moe_pattern=MoEPattern" in str(err.value)
+
+
+def test_a_pattern_whose_routing_cannot_be_written_names_its_entry():
+    """A MoEPattern without top_k on blocks of a model with no Hugging Face config: discovery stops
+    with the pattern, the reason and the fixes, before any process group."""
+    from lightning_zeromoe import MoEPattern
+    from lightning_zeromoe.discovery.find import discover
+    from lightning_zeromoe.reference.models import TinyMoEModule
+
+    with pytest.raises(ValueError) as err:
+        discover(TinyMoEModule(), MoEPattern(block=r"model\.layers\.\d+\.mlp"))
+    text = str(err.value)
+    assert _entry(text) == "moe-pattern-routing"
+    assert text.startswith("[moe-pattern-routing] MoEPattern(block='model\\\\.layers\\\\.\\\\d+\\\\.mlp'): no top_k")
+    assert "top_k=" in text and "ep_size=1" in text
+    assert not torch.distributed.is_initialized()

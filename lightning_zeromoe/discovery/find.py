@@ -38,6 +38,7 @@ from lightning_zeromoe.discovery.result import (NUM_EXPERTS_FROM_ROUTER, Discove
                                                one_kind, prefix_pattern)
 from lightning_zeromoe.discovery.hf_semantics import Routing, default_routing, routing_from_config, text_config
 from lightning_zeromoe.discovery.structure import BlockLayout, analyse_block, find_blocks
+from lightning_zeromoe.knowledge import say
 
 __all__ = ["Discovery", "FallbackBlock", "MoEBlock", "MoEPattern", "discover", "exact_pattern", "moe_like_names",
            "native_moe_paths"]
@@ -99,7 +100,8 @@ def _from_pattern(root: nn.Module, pattern: MoEPattern) -> Discovery:
     else:
         routing = default_routing(overrides)
     if isinstance(routing, str):
-        raise ValueError(f"MoEPattern(block={pattern.block!r}): {routing}.")
+        raise ValueError(say("moe-pattern-routing", "unexpressible", "train-without-ep", block=pattern.block,
+                             reason=routing))
     blocks = [MoEBlock(name, num_experts_of(m, pattern.router), routing.top_k,
                        _stated(analyse_block(name, m, num_experts_of(m, pattern.router)), pattern), routing)
               for name, m in matched]
