@@ -2,11 +2,12 @@
 directory (or one safetensors file) with the model's own names, loaded into a fresh
 single-process model.
 
-Real 2-rank launches (``tests/jobs/export_job.py``): our tiny MoE LM with tied embeddings, saved by
-``ModelCheckpoint``; a tiny Hugging Face Mixtral (tied too) built from a config, saved by
-``trainer.save_checkpoint``; and one launch of several runs (ZeRO-1, ZeRO-2 with a frozen
-embedding, ZeRO-3 with a frozen embedding, DeepSeek-V3, PEFT LoRA, a wider model for the memory
-bound). Each run records the trained *engine's* logits on a fixed batch: that is what the
+One real 2-rank launch (``tests/jobs/export_job.py``, the ``export_runs`` fixture of
+``conftest.py``, shared with ``test_export_safety.py``): our tiny MoE LM with tied embeddings, saved
+by ``ModelCheckpoint``; a tiny Hugging Face Mixtral (tied too) built from a config, saved by
+``trainer.save_checkpoint``; and several variants (ZeRO-1, ZeRO-2 with a frozen embedding, ZeRO-3
+with a frozen embedding, DeepSeek-V3, PEFT LoRA, a wider model for the memory bound); one 4-rank
+launch of the tiny MoE. Each run records the trained *engine's* logits on a fixed batch: that is what the
 exported model must reproduce. Export runs through the real CLI in a subprocess, as users run
 it, except where a check needs the Python API.
 """
@@ -49,11 +50,9 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 SHARD = "150KB"
 
 
-def _train_and_export(tmp_path_factory, family: str) -> dict:
-    out = tmp_path_factory.mktemp(f"export_{family}")
-    t0 = time.perf_counter()
-    run_job("export_job.py", "--family", family, "--out", str(out), timeout=420)
-    job_s = time.perf_counter() - t0
+def _export(out: Path) -> dict:
+    """One family's run of the shared launch (``export_runs``), exported by the CLI twice: one file,
+    and an HF directory of several shards."""
     job = json.loads((out / "rank0.json").read_text())
     ckpt = Path(job["ckpt_path"])
     assert (ckpt / "checkpoint").is_dir() and (ckpt / "zeromoe_meta.json").is_file(), sorted(out.rglob("*"))
@@ -67,17 +66,17 @@ def _train_and_export(tmp_path_factory, family: str) -> dict:
     engine = [torch.load(out / f"engine_outputs_rank{r}.pt") for r in (0, 1)]
     return {"dir": out, "ckpt": ckpt, "file": out / "model.safetensors", "hf": out / "hf", "before": before,
             "after": _tree_digest(ckpt), "stderr": proc.stderr, "hf_stderr": hf.stderr, "job": job,
-            "engine": engine, "job_s": job_s, "export_s": export_s}
+            "engine": engine, "job_s": job["wall_seconds"], "export_s": export_s}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return _train_and_export(tmp_path_factory, "tiny")
+def tiny(export_runs):
+    return _export(export_runs / "tiny")
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    return _train_and_export(tmp_path_factory, "mixtral")
+def mixtral(export_runs):
+    return _export(export_runs / "mixtral")
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -172,8 +171,8 @@ def test_export_dtype_and_no_silent_overwrite(tiny, tmp_path):
 def test_tiny_4_ranks_experts_replicated_over_expert_data_parallel_groups(tmp_path):
     """World 4, EP 2: each expert-parallel rank's experts are ZeRO-partitioned over its 2-rank
     expert-data-parallel group ([0, 2] and [1, 3]), a layout the 2-rank runs do not have."""
-    out = tmp_path / "run"
-    run_job("export_job.py", "--family", "tiny", "--devices", "4", "--out", str(out), timeout=600)
+    out = tmp_path / "run" / "tiny"
+    run_job("export_job.py", "--family", "tiny", "--devices", "4", "--out", str(out.parent), timeout=600)
     job = json.loads((out / "rank0.json").read_text())
     shard = torch.load(Path(job["ckpt_path"]) / "checkpoint" / "zero_pp_rank_2_mp_rank_00_optim_states.pt",
                        weights_only=False)
@@ -274,11 +273,8 @@ def test_tiny_hf_directory_shards_match_the_single_file(tiny):
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory):
-    out = tmp_path_factory.mktemp("export_variants")
-    t0 = time.perf_counter()
-    run_job("export_job.py", "--family", "variants", "--out", str(out), timeout=900)
-    print(f"variants job {time.perf_counter() - t0:.1f} s")
+def variants(export_runs):
+    out = export_runs / "variants"
     return {"dir": out, "runs": json.loads((out / "rank0.json").read_text())}
 
 

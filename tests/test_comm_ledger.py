@@ -14,15 +14,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 
+from support.comm_records import compare
 from support.jobs import free_port, read_ranks, run_job
-from lightning_zeromoe.planner.comm import CommShape, predict
-from lightning_zeromoe.planner import ParamCounts
 
 #: Every stage x ep_size; accumulation at stages 1 (one reduction per step) and 3; ZeRO-3 with a
 #: reuse distance of 1e5 elements and no prefetch (a backward re-gather of the first layers); bf16.
@@ -40,34 +37,6 @@ def runs(tmp_path_factory):
             launcher=launcher, timeout=900)
     found = {f"raw_{n}": read_ranks(out / f"raw_{n}", 2) for n in RAW}
     return found | {n: read_ranks(out / n, 2) for n in LIGHTNING}
-
-
-def shape_of(record: dict, first_step: bool = False) -> CommShape:
-    m = record["model"]
-    return CommShape(counts=ParamCounts(tuple(record["dense"]), tuple(record["expert"])), stage=record["stage"],
-                     world=record["world"], ep_size=record["ep_size"], precision=record["precision"],
-                     top_k=m["top_k"], hidden_size=m["hidden_size"], moe_layers=m["num_layers"],
-                     num_experts=m["num_experts"], tokens_per_micro_batch=record["tokens_per_micro_batch"],
-                     accumulation=record["accumulation"],
-                     param_persistence_threshold=record["zero"].get("stage3_param_persistence_threshold", 0),
-                     param_order=tuple((n, e, m) for n, e, m in record["order"]), lightning=record["lightning"],
-                     max_reuse_distance=record["zero"].get("stage3_max_reuse_distance", 10**9),
-                     prefetch_bucket_size=record["zero"].get("stage3_prefetch_bucket_size", 5 * 10**7),
-                     first_step=first_step)
-
-
-def mean_over_ranks(ranks: list[dict], index: int) -> dict[str, float]:
-    cells: dict[str, float] = {}
-    for rank in ranks:
-        for key, value in rank["steps"][index]["bytes"].items():
-            cells[key] = cells.get(key, 0.0) + value / len(ranks)
-    return cells
-
-
-def compare(ranks: list[dict], index: int) -> tuple[dict[str, float], dict[str, float]]:
-    measured = mean_over_ranks(ranks, index)
-    predicted = {f"{c}/{g}": v for (c, g), v in predict(shape_of(ranks[0], first_step=index == 0)).bytes.items()}
-    return measured, predicted
 
 
 #: The step compared: the last of three (ZeRO-3 records its trace on the first and checks it on the
@@ -235,10 +204,3 @@ def test_comm_stats_keyword_installs_one_ledger():
 
     assert isinstance(ZeroMoEStrategy(comm_stats=True).comm_ledger, CommLedger)
     assert ZeroMoEStrategy().comm_ledger is None
-
-
-if __name__ == "__main__":  # print the table from a finished run's directory
-    for directory in sys.argv[1:]:
-        ranks = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("rank*.json"))]
-        m, p = compare(ranks, -1)
-        print(directory, sum(m.values()), sum(p.values()))

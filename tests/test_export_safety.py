@@ -2,7 +2,8 @@
 looks whole.
 
 One real checkpoint (the tiny MoE LM, ZeRO-3 + EP=2 on 2 CPU ranks, saved by ``ModelCheckpoint``
-in ``tests/jobs/export_job.py``), copied where a test could damage it. Exports run through the
+in ``tests/jobs/export_job.py``; the ``export_runs`` launch, shared with ``test_checkpoint.py``),
+copied where a test could damage it, never written to in place. Exports run through the
 real CLI in a subprocess where the check is about what users run (exit status, the one error
 line, the umask, a SIGKILL, a full disk), through the Python API for set-up. Every "intact" is a
 digest of the whole tree (content, size, mtime, mode of every file and directory) before and
@@ -26,18 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.jobs import REPO, job_env, run_job
+from support.jobs import REPO, job_env
 
 #: Small enough that the tiny model (0.8 MB in float32) is written as several shards.
 SHARD = "150KB"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("export_safety")
-    t0 = time.perf_counter()
-    run_job("export_job.py", "--family", "tiny", "--out", str(out), timeout=420)
-    print(f"training job {time.perf_counter() - t0:.1f} s")
+def run(export_runs) -> dict:
+    out = export_runs / "tiny"
     ckpt = Path(json.loads((out / "rank0.json").read_text())["ckpt_path"])
     assert (ckpt / "zeromoe_meta.json").is_file() and ckpt.parent.parent == out
     return {"dir": out, "ckpt": ckpt}

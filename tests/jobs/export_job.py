@@ -1,15 +1,16 @@
 """Train a tiny MoE (ours or HF Mixtral) with ZeRO-3 + AutoEP on 2 CPU ranks, save, and record
 what the trained engine computes on a fixed batch: the reference for ``tests/test_checkpoint.py``.
 
-A standalone script (Lightning re-runs it for rank 1)::
+A standalone script (Lightning re-runs it for rank 1); several families train one after the other
+in one launch, each in its own directory ``DIR/<family>``::
 
-    python tests/jobs/export_job.py --family tiny --out DIR
-    python tests/jobs/export_job.py --family mixtral --out DIR
+    python tests/jobs/export_job.py --family tiny mixtral variants --out DIR
 
-Writes the checkpoint (tiny: ``DIR/callback/step=N.ckpt`` by ``ModelCheckpoint``; mixtral:
-``DIR/ckpt`` by ``trainer.save_checkpoint``; the path is in the JSON), ``DIR/engine_outputs_rank{R}.pt`` (the fixed
-batch and the engine's logits on it, computed by both ranks together after training) and
-``DIR/rank{R}.json`` (the model config, losses, timings).
+Writes the checkpoint (tiny: ``DIR/tiny/callback/step=N.ckpt`` by ``ModelCheckpoint``; mixtral:
+``DIR/mixtral/ckpt`` by ``trainer.save_checkpoint``; the path is in the JSON),
+``engine_outputs_rank{R}.pt`` (the fixed batch and the engine's logits on it, computed by both ranks
+together after training) and ``rank{R}.json`` (the model config, losses, timings) in the family's
+directory. ``variants`` is several runs, see :func:`variants`.
 """
 
 from __future__ import annotations
@@ -84,16 +85,23 @@ class MixtralModule(L.LightningModule):
 
 
 def main() -> None:
-    t0 = time.perf_counter()
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", choices=("tiny", "mixtral", "variants"), required=True)
+    parser.add_argument("--family", nargs="+", choices=("tiny", "mixtral", "variants"), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--devices", type=int, default=2, help="4 gives each expert-parallel rank 2 replicas")
     args = parser.parse_args()
-    if args.family == "variants":
-        return variants(args)
+    for family in args.family:
+        one = argparse.Namespace(**{**vars(args), "family": family, "out": args.out / family})
+        if family == "variants":
+            variants(one)
+        else:
+            train(one)
 
+
+def train(args: argparse.Namespace) -> None:
+    """One family: fit, save, and the trained engine's logits on the fixed batch."""
+    t0 = time.perf_counter()
     L.seed_everything(0, verbose=False)
     if args.family == "tiny":
         config = TinyMoEConfig(tie_embeddings=True)
