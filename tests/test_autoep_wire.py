@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
 from typing import Any
 
@@ -18,7 +17,6 @@ import pytest
 from torch import nn
 
 from support import hf_zoo
-from support.jobs import run_job
 from lightning_zeromoe.config.autoep_wire import config_for_deepspeed, custom_fields, section_for_deepspeed
 from lightning_zeromoe.discovery.find import discover
 from lightning_zeromoe.engine.build import lend_root_config
@@ -93,17 +91,3 @@ def test_preset_model_is_kept_where_autoep_would_not_pick_it_itself() -> None:
         "preset_model": "mixtral"}  # nothing custom next to it: DeepSpeed says nothing
     tp = {"expert_parallel": section, "tensor_parallel": {"preset_model": "mixtral"}}
     assert config_for_deepspeed(tp, type("C", (), {"model_type": "mixtral"})()) == tp
-
-
-def test_engine_build_for_a_tiny_mixtral_logs_no_preset_warning(tmp_path) -> None:
-    """A real engine build (1 rank, gloo): the strategy's fit logs no preset warning; the same
-    config sent the old way (preset_model next to moe_layer_pattern) to deepspeed.initialize does."""
-    run_job("autoep_quiet.py", "--out", str(tmp_path), timeout=600)
-    out = json.loads((tmp_path / "quiet.json").read_text())
-    blocks = ["net.model.layers.0.mlp", "net.model.layers.1.mlp"]
-    assert out["strategy"]["layers"] == out["old"]["layers"] == blocks
-    assert out["strategy"]["section"]["moe_layer_pattern"] == r"net\.model\.layers\.\d+\.mlp"
-    assert not [w for w in out["strategy"]["warnings"] if WARNING in w], out["strategy"]["warnings"]
-    assert [w for w in out["old"]["warnings"] if WARNING in w] == [
-        "Custom preset fields ['moe_layer_pattern'] are set alongside preset_model='mixtral'. Custom fields will "
-        "override preset defaults during detection."]

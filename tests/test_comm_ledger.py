@@ -3,11 +3,14 @@
 * One 2-rank launch (``tests/jobs/comm_ledger_job.py``) trains every ZeRO stage x ep_size 1, 2 for
   three optimizer steps on raw DeepSpeed engines (the strategy's config) with the ledger installed,
   two of them with gradient accumulation, one in bf16, one with ZeRO-3 re-gathering in backward,
-  and one real ``Trainer.fit`` with
-  ``ZeroMoEStrategy(comm_stats=True)`` and a CSVLogger. The model
-  (:mod:`lightning_zeromoe.planner.comm`) must predict every (collective, group) cell of the last
-  step within 5% (measured: exactly), averaged over ranks (the all-to-all's combine sends what
-  the rank received, which depends on routing; over all ranks it is ``T * k`` rows each way).
+  and one real ``Trainer.fit`` with ``ZeroMoEStrategy(comm_stats=True)`` and a CSVLogger; one
+  4-rank launch trains ZeRO-1 and ZeRO-3 at ep_size 1, 2 and 4 (expert-data-parallel groups of
+  2 and 1). The model (:mod:`lightning_zeromoe.planner.comm`) must predict every (collective,
+  group) cell of the last step within 5% (measured: exactly), averaged over ranks (the
+  all-to-all's combine sends what the rank received, which depends on routing; over all ranks it
+  is ``T * k`` rows each way), and the step-time model's latency term exactly as many calls per
+  cell as the ledger counted (ZeRO-3's coalesced prefetch gathers, its reductions split where
+  the gradients' group changes).
 * The byte definitions per ``torch.distributed`` function, checked in one process on a one-rank
   gloo group with tensors of known sizes, and what the ledger restores after a fit that raises.
 """
@@ -18,7 +21,7 @@ import sys
 
 import pytest
 
-from support.comm_records import compare
+from support.comm_records import compare, compare_calls
 from support.jobs import free_port, read_ranks, run_job
 
 #: Every stage x ep_size; accumulation at stages 1 (one reduction per step) and 3; ZeRO-3 with a
@@ -28,15 +31,28 @@ LIGHTNING = ("s3e2",)
 TOLERANCE = 0.05
 
 
+#: On 4 ranks: expert-data-parallel groups of 2 (``e2``: experts gathered and reduced over them, in
+#: calls of their own) and of 1 (``e4``), ZeRO-1 and ZeRO-3; raw engines only (one launch, ~30 s).
+RAW_4 = ("s3e1", "s1e2", "s3e2", "s1e4", "s3e4")
+
+
+def _launch(out, world: int, raw: tuple[str, ...], lightning: tuple[str, ...] = ()) -> dict[str, list[dict]]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+                str(free_port())]
+    run_job("comm_ledger_job.py", "--out", str(out), "--raw", ",".join(raw), "--runs", ",".join(lightning),
+            launcher=launcher, timeout=900)
+    found = {f"raw_{n}": read_ranks(out / f"raw_{n}", world) for n in raw}
+    return found | {n: read_ranks(out / n, world) for n in lightning}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("comm")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port())]
-    run_job("comm_ledger_job.py", "--out", str(out), "--raw", ",".join(RAW), "--runs", ",".join(LIGHTNING),
-            launcher=launcher, timeout=900)
-    found = {f"raw_{n}": read_ranks(out / f"raw_{n}", 2) for n in RAW}
-    return found | {n: read_ranks(out / n, 2) for n in LIGHTNING}
+    return _launch(tmp_path_factory.mktemp("comm"), 2, RAW, LIGHTNING)
+
+
+@pytest.fixture(scope="module")
+def runs_4(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("comm4"), 4, RAW_4)
 
 
 #: The step compared: the last of three (ZeRO-3 records its trace on the first and checks it on the
@@ -44,19 +60,30 @@ def runs(tmp_path_factory):
 COMPARED = 2
 
 
-def test_model_predicts_every_cell_of_the_ledger(runs):
-    table = ["| run | stage | ep | accum | measured MB/step | predicted MB/step | predicted / measured |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+def _check_every_cell(runs: dict[str, list[dict]]) -> None:
+    """Bytes within 5% (measured: exactly), and as many calls (the step-time model's latency term)."""
+    table = ["| run | ranks | stage | ep | accum | measured MB/step | predicted MB/step | predicted / measured |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, ranks in runs.items():
         measured, predicted = compare(ranks, COMPARED)
         for key in sorted(set(measured) | set(predicted)):
             got, want = measured.get(key, 0.0), predicted.get(key, 0.0)
             assert want == pytest.approx(got, rel=TOLERANCE), (name, key, got, want)
+        calls, predicted_calls = compare_calls(ranks, COMPARED)
+        assert calls == predicted_calls, (name, calls, predicted_calls)
         total_m, total_p = sum(measured.values()), sum(predicted.values())
         r = ranks[0]
-        table.append(f"| {name} | {r['stage']} | {r['ep_size']} | {r['accumulation']} | {total_m / 1e6:.4f} | "
-                     f"{total_p / 1e6:.4f} | {total_p / total_m:.4f} |")
+        table.append(f"| {name} | {r['world']} | {r['stage']} | {r['ep_size']} | {r['accumulation']} | "
+                     f"{total_m / 1e6:.4f} | {total_p / 1e6:.4f} | {total_p / total_m:.4f} |")
     print("\n".join(table))
+
+
+def test_model_predicts_every_cell_of_the_ledger(runs):
+    _check_every_cell(runs)
+
+
+def test_model_predicts_every_cell_of_the_ledger_on_4_ranks(runs_4):
+    _check_every_cell(runs_4)
 
 
 def test_the_first_zero3_step_gathers_again_in_backward(runs):

@@ -33,7 +33,7 @@ ZeRO-3 (``runtime/zero/stage3.py``, ``partition_parameters.py``, ``partitioned_p
     used between its forward and its backward use (``__params_to_release``); this model counts
     that distance as twice the elements of the modules after the tensor's in ``param_order``, or
     when the prefetcher (``stage3_prefetch_bucket_size`` elements ahead) has passed that backward
-    use already (``_regathered``).
+    use already (:func:`regathered`).
   * gradients: every micro-batch, ``reduce_scatter_tensor`` of ``Pd * g`` on the world group and
     ``Pe / ep * g`` on the expert-data-parallel group.
   * gradient norm: one 8-byte ``all_reduce`` on the world group, and with expert groups one each
@@ -164,7 +164,7 @@ def predict(shape: CommShape) -> CommPrediction:
             # complete yet); every other micro-batch only what the reuse distance released.
             threshold = shape.param_persistence_threshold
             for times, first in ((1, shape.first_step), (A - 1, False)):
-                again_dense, again_expert = _regathered(shape, local_expert, first)
+                again_dense, again_expert = _regathered(shape, first)
                 cells.add("all_gather", "world", times * _gathered(again_dense, W, p, threshold), "params")
                 if D > 1:
                     cells.add("all_gather", "expert_data_parallel", times * _gathered(again_expert, D, p, threshold),
@@ -191,23 +191,27 @@ def _gathered(sizes: list[int], group: int, p: int, threshold: int) -> float:
     return float(sum(_pad(n, group) * p for n in sizes if n > threshold))
 
 
-def _regathered(shape: CommShape, local_expert: list[int], first: bool) -> tuple[list[int], list[int]]:
-    """Tensors ZeRO-3 gathers again in backward: all on the first step; afterwards those of a module
-    whose forward and backward uses are ``max_reuse_distance`` elements or more apart. Between the
-    two uses ZeRO-3's trace holds every later module twice (forward, then backward), so the
-    distance is twice the elements of the modules after it (``__params_to_release``). A tensor is
-    also kept when the prefetcher, which walks the trace ``prefetch_bucket_size`` elements of
-    not-yet-gathered parameters ahead, has already passed its backward use when forward releases
-    it (``__most_recent_step_id_param_fetched_for``): first order, when the modules after it hold
-    fewer elements than the prefetch bucket."""
-    experts_apart = bool(local_expert)
-    ep = shape.ep_size if experts_apart else 1
+def forward_order(shape: CommShape) -> list[tuple[int, bool, str]]:
+    """(elements on this rank, gathered over the expert-data-parallel group, module) per parameter
+    tensor in forward order: ``param_order`` when given, else dense then experts, one module each.
+    At ``ep_size=1`` experts are ordinary (world) parameters."""
+    apart = shape.ep_size > 1
     if shape.param_order is not None:
-        order = [(n // ep if e else n, e and experts_apart, m) for n, e, m in shape.param_order]
-    else:
-        order = [(n, False, f"d{i}") for i, n in enumerate(shape.counts.dense)]
-        order += [(n, experts_apart, f"e{i}") for i, n in enumerate(shape.counts.expert if not experts_apart
-                                                                   else local_expert)]
+        return [(n // shape.ep_size if e and apart else n, e and apart, m) for n, e, m in shape.param_order]
+    order = [(n, False, f"d{i}") for i, n in enumerate(shape.counts.dense)]
+    return order + [(n // shape.ep_size if apart else n, apart, f"e{i}") for i, n in enumerate(shape.counts.expert)]
+
+
+def regathered(shape: CommShape, first: bool) -> list[tuple[int, bool, str]]:
+    """Tensors (as in :func:`forward_order`) ZeRO-3 gathers again in backward: all on the first step;
+    afterwards those of a module whose forward and backward uses are ``max_reuse_distance`` elements
+    or more apart. Between the two uses ZeRO-3's trace holds every later module twice (forward, then
+    backward), so the distance is twice the elements of the modules after it
+    (``__params_to_release``). A tensor is also kept when the prefetcher, which walks the trace
+    ``prefetch_bucket_size`` elements of not-yet-gathered parameters ahead, has already passed its
+    backward use when forward releases it (``__most_recent_step_id_param_fetched_for``): first
+    order, when the modules after it hold fewer elements than the prefetch bucket."""
+    order = forward_order(shape)
     modules: dict[str, int] = {}
     for n, _, m in order:
         modules[m] = modules.get(m, 0) + n
@@ -215,12 +219,14 @@ def _regathered(shape: CommShape, local_expert: list[int], first: bool) -> tuple
     for m in reversed(list(modules)):
         after[m] = later
         later += modules[m]
-    dense, expert = [], []
-    for n, is_expert, m in order:
-        kept = 2 * after[m] < shape.max_reuse_distance or after[m] < shape.prefetch_bucket_size
-        if first or not kept:
-            (expert if is_expert else dense).append(n)
-    return dense, expert
+    return [(n, e, m) for n, e, m in order
+            if first or not (2 * after[m] < shape.max_reuse_distance or after[m] < shape.prefetch_bucket_size)]
 
 
-__all__ = ["CommPrediction", "CommShape", "KINDS", "predict"]
+def _regathered(shape: CommShape, first: bool) -> tuple[list[int], list[int]]:
+    """:func:`regathered`'s element counts: (dense, expert)."""
+    again = regathered(shape, first)
+    return [n for n, e, _ in again if not e], [n for n, e, _ in again if e]
+
+
+__all__ = ["CommPrediction", "CommShape", "KINDS", "forward_order", "predict", "regathered"]

@@ -25,9 +25,12 @@ communication
     ``time = bytes * factor / bandwidth + calls * latency``. A group whose ranks sit on more than
     one node uses :attr:`Hardware.inter`, otherwise :attr:`Hardware.intra`. Ranks are placed as
     DeepSpeed places them: expert-parallel groups are ``ep_size`` consecutive ranks, expert-data-
-    parallel groups every ``ep_size``-th rank, the world group all ranks. ``calls`` is estimated
-    from the bucket sizes (stages 1/2: one all-reduce per reduce bucket, one all-gather per flat
-    group), ZeRO-3's per-tensor gathers and AutoEP's per-layer all-to-alls (see :func:`_calls`).
+    parallel groups every ``ep_size``-th rank, the world group all ranks. ``calls`` follows DeepSpeed's
+    code and equals the ledger's count on CPU ranks (``tests/test_comm_ledger.py``): stages 1/2 one
+    all-reduce per reduce bucket plus one norm per flat group, one all-gather per flat group; ZeRO-3
+    one coalesced gather per ``stage3_prefetch_bucket_size`` elements of a pass (at most one per
+    module; one per module on the first micro-batch, which records the trace) and one reduction per
+    bucket and per change of group in backward order; AutoEP's per-layer all-to-alls (:func:`_calls`).
 
 offload (``offload_optimizer``)
     PCIe traffic: each rank copies its gradient partition to the host (stages 1/2: fp32, 4 bytes;
@@ -57,7 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lightning_zeromoe.planner.comm import CommPrediction, CommShape, _regathered, predict
+from lightning_zeromoe.planner.comm import CommPrediction, CommShape, forward_order, predict, regathered
 from lightning_zeromoe.planner.setups import _PRECISION_BYTES, Setup, normalize_precision
 
 
@@ -187,12 +190,41 @@ def bus_factor(collective: str, n: int) -> float:
     return (n - 1) / n
 
 
+def _gather_calls(tensors: list[tuple[int, str]], bucket: int) -> int:
+    """All-gather calls of one pass over ``tensors`` (elements, module) under ZeRO-3's prefetcher
+    (``partitioned_param_coordinator.py``): each module fetch gathers what is not in flight yet
+    and then prefetches up to ``bucket`` elements ahead in one coalesced call, so a pass makes about
+    one call per ``bucket`` elements, at most one per module; without prefetching one per module."""
+    modules = len({m for _, m in tensors})
+    if not tensors:
+        return 0
+    return modules if bucket <= 0 else min(modules, math.ceil(sum(n for n, _ in tensors) / bucket))
+
+
+def _reduce_calls(order: list[tuple[int, bool, str]], bucket: int) -> dict[bool, int]:
+    """ZeRO-3's gradient reductions per micro-batch, by group (True: expert-data-parallel). Gradients
+    arrive in backward order into one bucket, which is reduced when it is full and whenever the
+    next gradient belongs to the other group (``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    calls = {False: 0, True: 0}
+    group, filled = None, 0
+    for n, expert, _ in reversed(order):
+        if group is not None and (expert != group or (filled + n > bucket and filled > 0)):
+            calls[group] += 1
+            filled = 0
+        group, filled = expert, filled + n
+    if group is not None:
+        calls[group] += 1
+    return calls
+
+
 def _calls(shape: CommShape, prediction: CommPrediction) -> dict[tuple[str, str], int]:
-    """Collective calls per optimizer step, for the latency term (an estimate; see the module docstring)."""
+    """Collective calls per optimizer step, for the latency term. Checked against the ledger's
+    call counts on CPU ranks (``tests/test_comm_ledger.py``)."""
     W, ep, A = shape.world, shape.ep_size, shape.accumulation
     apart = ep > 1
     dense = list(shape.counts.dense) + ([] if apart else list(shape.counts.expert))
     local = [n // ep for n in shape.counts.expert] if apart else []
+    p = _PRECISION_BYTES[normalize_precision(shape.precision)][0]
     calls: dict[tuple[str, str], int] = {}
 
     def buckets(sizes: list[int], bucket: int) -> int:
@@ -200,20 +232,30 @@ def _calls(shape: CommShape, prediction: CommPrediction) -> dict[tuple[str, str]
 
     if shape.stage in (1, 2):
         reductions = A if shape.stage == 2 else 1
-        calls[("all_reduce", "world")] = reductions * buckets(dense, shape.reduce_bucket_size) + 3
+        groups = shape.dense_param_groups + (1 if apart else 0)
+        # the bucketed gradients, one norm per flat group, and the 16-bit overflow flag
+        calls[("all_reduce", "world")] = reductions * buckets(dense, shape.reduce_bucket_size) + groups + (p == 2)
         calls[("all_reduce", "expert_data_parallel")] = reductions * buckets(local, shape.reduce_bucket_size) + 1
         calls[("all_gather", "world")] = shape.dense_param_groups
         calls[("all_gather", "expert_data_parallel")] = 1 if apart else 0
     elif shape.stage == 3:
-        threshold = shape.param_persistence_threshold
-        big = [n for n in dense if n > threshold]
-        big_local = [n for n in local if n > threshold]
-        again = [_regathered(shape, local, first) for first in (shape.first_step,) + (False,) * (A - 1)]
-        calls[("all_gather", "world")] = A * len(big) + sum(len([n for n in d if n > threshold]) for d, _ in again)
-        calls[("all_gather", "expert_data_parallel")] = (A * len(big_local)
-                                                         + sum(len([n for n in e if n > threshold]) for _, e in again))
-        calls[("reduce_scatter", "world")] = A * buckets(dense, shape.reduce_bucket_size)
-        calls[("reduce_scatter", "expert_data_parallel")] = A * buckets(local, shape.reduce_bucket_size)
+        threshold, bucket = shape.param_persistence_threshold, shape.prefetch_bucket_size
+        order = forward_order(shape)
+
+        def gathers(tensors: list[tuple[int, bool, str]], expert: bool, prefetch: int) -> int:
+            return _gather_calls([(n, m) for n, e, m in tensors if e == expert and n > threshold], prefetch)
+
+        # Forward every micro-batch, backward re-gathers as in comm.predict. The first micro-batch of
+        # the first step records the trace: nothing to prefetch from, one fetch per module both ways.
+        recording = shape.first_step
+        passes = [(order, 0 if recording else bucket)] + [(order, bucket)] * (A - 1)
+        passes += [(regathered(shape, recording), 0 if recording else bucket)]
+        passes += [(regathered(shape, False), bucket)] * (A - 1)
+        reduce = _reduce_calls(order, shape.reduce_bucket_size)
+        calls[("all_gather", "world")] = sum(gathers(t, False, b) for t, b in passes)
+        calls[("all_gather", "expert_data_parallel")] = sum(gathers(t, True, b) for t, b in passes)
+        calls[("reduce_scatter", "world")] = A * reduce[False]
+        calls[("reduce_scatter", "expert_data_parallel")] = A * reduce[True]
         calls[("all_reduce", "world")] = 1
         calls[("all_reduce", "expert_data_parallel")] = 1 if apart else 0
         calls[("all_reduce", "expert_parallel")] = 1 if apart else 0

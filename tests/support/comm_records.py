@@ -42,6 +42,16 @@ def compare(ranks: list[dict], index: int) -> tuple[dict[str, float], dict[str, 
     return measured, predicted
 
 
+def compare_calls(ranks: list[dict], index: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(measured, predicted) collective calls per cell of step ``index`` on rank 0 (every rank
+    makes the same calls), the step-time model's latency term."""
+    from lightning_zeromoe.planner.step_time import _calls
+
+    shape = shape_of(ranks[0], first_step=index == 0)
+    predicted = {f"{c}/{g}": n for (c, g), n in _calls(shape, predict(shape)).items() if n}
+    return {k: n for k, n in ranks[0]["steps"][index]["calls"].items() if n}, predicted
+
+
 def worst_cell(measured: dict[str, float], predicted: dict[str, float]) -> tuple[str, float]:
     """The cell with the largest relative error, and that error."""
     errors = {key: abs(predicted.get(key, 0.0) - measured.get(key, 0.0)) / max(measured.get(key, 0.0), 1e-12)
