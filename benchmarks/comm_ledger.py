@@ -6,7 +6,8 @@ trains the listed setups on raw DeepSpeed engines with the config ``ZeroMoEStrat
 of 4 experts top-2, 4 x 32 tokens per micro-batch), and ``lightning_zeromoe.planner.comm``
 predicts the same step from the model's parameter sizes and the config. Prints the README's table:
 the ledger's bytes of the last step (averaged over ranks), the prediction, their ratio, and the
-worst (collective, group) cell. Setup names: ``s<stage>e<ep_size>`` with optional ``a<accumulation>``,
+worst (collective, group) cell; then whether the ledger's call counts equal those the step-time
+model charges latency for. Setup names: ``s<stage>e<ep_size>`` with optional ``a<accumulation>``,
 ``r<stage3_max_reuse_distance>``, ``p<stage3_prefetch_bucket_size>`` and a final ``b`` for bf16.
 The 2-rank setups are what ``tests/test_comm_ledger.py`` asserts in CI (with one ``Trainer.fit``).
 
@@ -25,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from support.comm_records import compare, worst_cell  # noqa: E402
+from support.comm_records import compare, compare_calls, worst_cell  # noqa: E402
 from support.jobs import free_port, read_ranks  # noqa: E402
 
 #: Every stage x ep_size, accumulation at stages 1 and 3, a ZeRO-3 backward re-gather, bf16.
@@ -50,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     print("| ranks | setup | stage | ep | accum | measured MB/step | predicted MB/step | predicted / measured "
           "| worst cell |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    worst_overall = 0.0
+    worst_overall, call_mismatches = 0.0, []
     for world in (int(w) for w in args.worlds.split(",")):
         setups = args.setups or (SETUPS + ("," + FOUR_RANKS if world >= 4 else ""))
         with tempfile.TemporaryDirectory() as out:
@@ -59,10 +60,16 @@ def main() -> None:
             measured, predicted = compare(ranks, -1)
             cell, error = worst_cell(measured, predicted)
             worst_overall = max(worst_overall, error)
+            calls, predicted_calls = compare_calls(ranks, -1)
+            if calls != predicted_calls:
+                call_mismatches.append(f"{world} ranks {name}: ledger {calls}, model {predicted_calls}")
             got, want, r = sum(measured.values()), sum(predicted.values()), ranks[0]
+            where = f" ({cell})" if error else ""
             print(f"| {world} | {name} (raw) | {r['stage']} | {r['ep_size']} | {r['accumulation']} | {got / 1e6:.4f} "
-                  f"| {want / 1e6:.4f} | {want / got:.4f} | {error:.0e} ({cell}) |", flush=True)
+                  f"| {want / 1e6:.4f} | {want / got:.4f} | {error:.0e}{where} |", flush=True)
     print(f"\nworst cell over all runs: {worst_overall:.2e} relative (target: within 5%)")
+    print("collective calls per cell (the step-time model's latency term): "
+          + ("equal to the ledger's in every run" if not call_mismatches else "\n  ".join(["differ:", *call_mismatches])))
 
 
 if __name__ == "__main__":
