@@ -8,8 +8,9 @@ traceback of a ``%%troubleshoot`` cell is IPython's own with the panel below it.
 
 Playwright cannot download browsers here, so it drives the system Chromium (Debian's
 ``chromium`` package, installed by ``scripts/setup.sh test``). Screenshots go to a directory
-printed at the end of the module, and the README's two (the panel, a walkthrough step) are
-regenerated in ``docs/images/``.
+printed at the end of the module; the README's two (the panel, a walkthrough step) are copied
+into ``docs/images/`` only with ``ZEROMOE_WRITE_SCREENSHOTS=1`` (a test run leaves the checkout
+as it was).
 
 One CUDA error is raised as text (a ``RuntimeError`` with torch's CUDA OOM message): there is no
 GPU here, and the panel reads the numbers from the message text only.
@@ -110,7 +111,7 @@ class Lab:
         path = self.shots / name
         locator.screenshot(path=str(path))
         self.page.set_viewport_size(VIEWPORT)
-        if readme:
+        if readme and os.environ.get("ZEROMOE_WRITE_SCREENSHOTS") == "1":
             IMAGES.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, IMAGES / name)
         return path
@@ -177,7 +178,8 @@ def lab(tmp_path_factory):
             server.kill()
             server.wait(timeout=10)
         log.close()
-        print(f"\nbrowser screenshots: {shots}  (README copies: {IMAGES})")
+        written = "written" if os.environ.get("ZEROMOE_WRITE_SCREENSHOTS") == "1" else "ZEROMOE_WRITE_SCREENSHOTS=1 writes them"
+        print(f"\nbrowser screenshots: {shots}  (README copies in {IMAGES}: {written})")
 
 
 @pytest.fixture(autouse=True)
