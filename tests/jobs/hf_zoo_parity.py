@@ -7,8 +7,8 @@ elsewhere), a few steps of HF's own loss (LM + ``router_aux_loss_coef`` x aux lo
 ``output_router_logits=True``). Afterwards rank 0 replays the batches both ranks received on a
 plain single-process copy of the same model (same initial weights, same AdamW) and records the
 per-step, per-rank loss and aux loss of both runs. With ``--export DIR`` each family's trained
-model is also saved (``trainer.save_checkpoint``), exported by rank 0 with ``zeromoe-export``'s
-function, loaded back with ``AutoModelForCausalLM.from_pretrained`` and compared with the trained
+model is also saved (``trainer.save_checkpoint``); once every family has trained, the ranks share
+the exports (rank r every world-th family), each with ``zeromoe-export``'s function, loaded back with ``AutoModelForCausalLM.from_pretrained`` and compared with the trained
 model: the loader's report, and logits on held-out tokens against what ``trainer.validate`` (our
 evaluation engine, after ``fit``) computed. (Not against the plain run's copy: two AdamW steps
 amplify float noise in near-zero gradients to ~1e-3 relative weight differences, measured on
@@ -140,7 +140,7 @@ def held_out_ids() -> torch.Tensor:
 
 
 def export_round_trip(ckpt: Path, out_dir: Path, want: torch.Tensor) -> dict[str, Any]:
-    """Rank 0: export ``ckpt`` to an HF directory, ``from_pretrained`` it, and compare it with the
+    """Export ``ckpt`` to an HF directory, ``from_pretrained`` it, and compare it with the
     trained model: what the loader reported, and the logits on held-out tokens (``want``)."""
     from transformers import AutoModelForCausalLM
 
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     results: dict[str, Any] = {}
     resumes = {a: int(e) for a, _, e in (r.partition(":") for r in args.resume)}
+    to_export: dict[str, tuple[Path, torch.Tensor | None]] = {}
     for spec in [*args.archs, *(f"uneven:{u}" for u in args.uneven)]:
         uneven = spec.startswith("uneven:")
         arch, _, ep = spec.removeprefix("uneven:").partition(":")
@@ -244,9 +245,9 @@ def main(argv: list[str] | None = None) -> int:
             # the plain run continued over the batches the resumed job received
             more = [[r["indices"] for r in rank_records or []] for rank_records in resumed]
             result["reference"] = reference(arch, [a + b for a, b in zip(gathered, more)])
-            if ckpt is not None:
-                result["export"] = export_round_trip(ckpt, args.export / arch / "hf", result["eval_logits"])
-        result.pop("eval_logits", None)  # a tensor: not for the JSON
+        logits = result.pop("eval_logits", None)  # a tensor: not for the JSON
+        if ckpt is not None and "error" not in result and not uneven:
+            to_export[arch] = (ckpt, logits)
         gathered_results: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered_results, result.get("records"))
         result["per_rank_records"] = gathered_results
@@ -255,6 +256,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[zoo] {key}: {result.get('summary') or result.get('error', '')[:200]} "
                   f"({result.get('seconds', '?')}s)", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "zoo.json").write_text(json.dumps(results, indent=1))
+    if args.export is not None:
+        # Every checkpoint is on disk: the ranks export and reload them side by side, rank r taking
+        # every world-th family of rank 0's list (the validated logits are the same on every rank).
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(to_export))
+        mine: dict[str, Any] = {}
+        for arch in names[0][rank::dist.get_world_size()]:
+            if arch not in to_export:
+                mine[arch] = {"error": f"rank {rank} has no trained {arch} to export"}
+                continue
+            ckpt, logits = to_export[arch]
+            mine[arch] = export_round_trip(ckpt, args.export / arch / "hf", logits)
+        exported: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(exported, mine)
+        if rank == 0:
+            for part in exported:
+                for arch, outcome in part.items():
+                    results[arch]["export"] = outcome
             (args.out / "zoo.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
