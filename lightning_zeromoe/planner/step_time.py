@@ -195,9 +195,9 @@ def _gather_calls(tensors: list[tuple[int, str]], bucket: int) -> int:
     (``partitioned_param_coordinator.py``): each module fetch gathers what is not in flight yet
     and then prefetches up to ``bucket`` elements ahead in one coalesced call, so a pass makes about
     one call per ``bucket`` elements, at most one per module; without prefetching one per module."""
-    modules = len({m for _, m in tensors})
     if not tensors:
         return 0
+    modules = len({m for _, m in tensors})
     return modules if bucket <= 0 else min(modules, math.ceil(sum(n for n, _ in tensors) / bucket))
 
 
