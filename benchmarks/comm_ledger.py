@@ -11,7 +11,7 @@ model charges latency for. Setup names: ``s<stage>e<ep_size>`` with optional ``a
 ``r<stage3_max_reuse_distance>``, ``p<stage3_prefetch_bucket_size>`` and a final ``b`` for bf16.
 The 2-rank setups are what ``tests/test_comm_ledger.py`` asserts in CI (with one ``Trainer.fit``).
 
-    python benchmarks/comm_ledger.py                       # 2 and 4 ranks, ~6 min on 2 busy cores
+    python benchmarks/comm_ledger.py                       # 2 and 4 ranks, ~40 s on 2 idle cores
     python benchmarks/comm_ledger.py --worlds 4 --setups s1e4,s3e4
 """
 
