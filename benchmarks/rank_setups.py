@@ -13,8 +13,9 @@ Method, in one launch (``torch.distributed.run``, gloo):
    calls at once), on the world group and on groups of each smaller size (4 ranks: pairs). Latency: the 4 KB time. Bus bandwidth: least squares of
    ``bytes * factor`` against ``time - latency`` over the large sizes (factor as in
    ``nccl-tests``: ``2(n-1)/n`` all-reduce, ``(n-1)/n`` the others).
-2. Compute: every rank at once times a 384 x 384 fp32 matmul (FLOP/s per rank while all ranks
-   share the cores, as in training) and an AdamW step on 2M elements (updates per second).
+2. Compute: every rank at once times 60 384 x 384 fp32 matmuls in a row (FLOP/s per rank while all
+   ranks share the cores, as in training: each timed call lasts longer than a scheduler's time slice)
+   and 5 AdamW steps on 2M elements (updates per second).
 3. Setups: for each ``s<stage>e<ep_size>`` a raw DeepSpeed engine is built from the config
    ``ZeroMoEStrategy`` builds (``lightning_zeromoe.config.deepspeed.build_config``; AutoEP converts
    the MoE blocks at ``ep_size > 1``) around the reference ``TinyMoELM``, and trained for
@@ -23,19 +24,25 @@ Method, in one launch (``torch.distributed.run``, gloo):
    round, so that the machine's changing load (it is shared) falls on all setups alike. A step is
    timed between two barriers, wall time on rank 0; the measured step time is the median.
 4. Prediction: ``predict_step_time`` with ``Hardware`` from 1-2 (the measured link per collective,
-   FLOP/s, update rate), the model's own tensor sizes and the engine's bucket sizes, and ZeRO-3's
-   host work per module pass from a separate one-rank run (``--calibrate``: s3e1 minus s1e1 with
-   no communication at all, so nothing of the ranking under test goes into it).
+   FLOP/s, update rate), the model's own tensor sizes and the engine's bucket sizes, and the host
+   work rates of a separate one-rank run, where nothing communicates, so nothing of the ranking under
+   test goes into them (``--calibrate``, see :func:`calibrate`): ZeRO-3's work per module pass (s3e1
+   minus s1e1) and the expert loop's two rates (s1e1 with 8, 4 and 2 experts: the reference block
+   and AutoEP's layer without grouped GEMM both loop over slices of fused expert tensors,
+   ``ModelShape(expert_loop="slices")``). Host work is CPU time: where ranks share cores it
+   stretches as the matmul does, so the calibration is scaled by one rank's matmul rate over this
+   run's (1.0 on 2 ranks on 2 cores; about 2.4 on 4).
    Printed: predicted and measured seconds and ranks per setup, and Spearman's rank correlation
    (average ranks for ties, written here: no scipy in this environment).
 
 Run from the repository root (``--json`` to keep the figures)::
 
-    PYTHONPATH=$PWD .venv/bin/python -m torch.distributed.run --nproc_per_node 1 benchmarks/rank_setups.py --calibrate
+    PYTHONPATH=$PWD .venv/bin/python -m torch.distributed.run --nproc_per_node 1 benchmarks/rank_setups.py \
+        --calibrate --json calibration.json
     PYTHONPATH=$PWD .venv/bin/python -m torch.distributed.run --nproc_per_node 2 benchmarks/rank_setups.py \
-        --zero3-module-seconds <from --calibrate>
+        --calibration calibration.json
     PYTHONPATH=$PWD .venv/bin/python -m torch.distributed.run --nproc_per_node 4 benchmarks/rank_setups.py \
-        --setups s1e1,s2e1,s3e1,s1e2,s3e2,s1e4,s3e4 --zero3-module-seconds <from --calibrate>
+        --setups s1e1,s2e1,s3e1,s1e2,s3e2,s1e4,s3e4 --calibration calibration.json
 """
 
 from __future__ import annotations
@@ -124,18 +131,33 @@ def measure_links(repeats: int) -> dict[str, dict[str, Any]]:
 
 
 def measure_compute(repeats: int) -> dict[str, float]:
+    """FLOP/s and optimizer updates/s per rank while every rank computes. Each timed call lasts
+    ~0.1 s (60 matmuls; 5 AdamW steps), longer than a scheduler's time slice, so that ranks sharing
+    a core (4 ranks on 2 cores) see each other: one short matmul after a barrier often runs alone."""
     a, b = torch.randn(384, 384), torch.randn(384, 384)
-    t = _timed(lambda: a @ b, repeats * 5)
+    matmuls, updates = 60, 5
+
+    def many() -> None:
+        for _ in range(matmuls):
+            a @ b
+
+    t = _timed(many, repeats)
     param = torch.nn.Parameter(torch.zeros(2_000_000))
     param.grad = torch.randn_like(param)
     opt = torch.optim.AdamW([param], lr=1e-3, foreach=False)
-    u = _timed(opt.step, repeats)
-    return {"flops_per_second": 2 * 384**3 / t, "update_params_per_second": param.numel() / u}
+
+    def steps() -> None:
+        for _ in range(updates):
+            opt.step()
+
+    u = _timed(steps, repeats)
+    return {"flops_per_second": matmuls * 2 * 384**3 / t, "update_params_per_second": updates * param.numel() / u}
 
 
-def build_setup(name: str, args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def build_setup(name: str, args: argparse.Namespace, experts: int | None = None) -> tuple[Any, dict[str, Any]]:
     """A raw DeepSpeed engine for ``s<stage>e<ep_size>`` with the strategy's config, and what the
-    prediction needs (the model's tensor sizes before AutoEP, the ZeRO section)."""
+    prediction needs (the model's tensor sizes before AutoEP, the ZeRO section). ``experts``: another
+    expert count than ``--experts`` (the calibration's models with fewer experts)."""
     import argparse as ap
 
     import deepspeed
@@ -148,7 +170,7 @@ def build_setup(name: str, args: argparse.Namespace) -> tuple[Any, dict[str, Any
     stage, ep = int(name[1]), int(name[3])
     torch.manual_seed(0)
     cfg = TinyMoEConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
-                        num_experts=args.experts, top_k=2, ffn_hidden_size=args.ffn, max_seq_len=args.seq)
+                        num_experts=experts or args.experts, top_k=2, ffn_hidden_size=args.ffn, max_seq_len=args.seq)
     model = TinyMoELM(cfg)
     counts = count_params(model)
     order = tuple((p.numel(), is_expert_param(n), n.rpartition(".")[0]) for n, p in model.named_parameters())
@@ -198,7 +220,49 @@ def _shape(rec: dict[str, Any], args: argparse.Namespace) -> Any:
 
 
 def predict(rec: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> Any:
-    return predict_step_time(_shape(rec, args), hw, model=ModelShape(attention_layers=rec["moe_layers"], seq_len=args.seq))
+    # the reference block loops over its experts, and AutoEP without grouped GEMM (fp32, CPU) over its own
+    model = ModelShape(attention_layers=rec["moe_layers"], seq_len=args.seq, expert_loop="slices",
+                       autoep_expert_loop="slices")
+    return predict_step_time(_shape(rec, args), hw, model=model)
+
+
+def calibrate(records: dict[str, Any], meas: dict[str, float], hw: Hardware, args: argparse.Namespace) -> dict[str, Any]:
+    """The host-work rates of one rank, where nothing communicates (module docstring, step 4).
+
+    ZeRO-3: s3e1 minus s1e1 per module pass. The expert loop: s1e1 with E, E/2 and E/4 experts (the
+    same FLOPs per token: top-2 of any). What the model predicts without the loop (the optimizer's
+    update of more or fewer experts) is subtracted; what is left, up to a constant, is
+    ``L * A * E * (f + 4 * b_E / bandwidth)`` with ``b_E`` one layer's expert bytes. Two differences
+    give ``f`` and ``1 / bandwidth``; where the fit gives a negative ``f``, ``f = 0`` and the
+    bandwidth is fitted alone (least squares), since a cost cannot be negative."""
+    from dataclasses import replace
+
+    from lightning_zeromoe.planner.step_time import module_count
+
+    modules = module_count(_shape(records["s3e1"], args))
+    per_pass = (meas["s3e1"] - meas["s1e1"]) / (2 * args.accumulation * modules)
+    bare = replace(hw, expert_loop_seconds=0.0, memory_bandwidth=float("inf"))
+    names = ["s1e1", "s1e1/2", "s1e1/4"]
+    experts = {n: args.experts // (int(n[5:]) if "/" in n else 1) for n in names}
+    rest = {n: meas[n] - predict(records[n], bare, args).total for n in names}
+    passes = args.layers * args.accumulation
+    layer_bytes = {n: sum(records[n]["counts"][1]) * 4 / args.layers for n in names}  # fp32 gradients
+    # rest[a] - rest[b] = passes * ((E_a - E_b) * f + 4 * (E_a b_a - E_b b_b) * x), x = 1 / bandwidth
+    rows = [(passes * (experts[a] - experts[b]), passes * 4 * (experts[a] * layer_bytes[a] - experts[b] * layer_bytes[b]),
+             rest[a] - rest[b]) for a, b in (("s1e1", "s1e1/2"), ("s1e1/2", "s1e1/4"))]
+    (a1, b1, y1), (a2, b2, y2) = rows
+    det = a1 * b2 - a2 * b1
+    f, x = (y1 * b2 - y2 * b1) / det, (a1 * y2 - a2 * y1) / det
+    if f < 0:
+        f, x = 0.0, (b1 * y1 + b2 * y2) / (b1 * b1 + b2 * b2)
+    report = (f"calibration (1 rank): s1e1 {meas['s1e1']:.4f} s, s3e1 {meas['s3e1']:.4f} s; s1e1 with "
+              + ", ".join(f"{experts[n]} experts {meas[n]:.4f} s" for n in names) + " per step\n"
+              f"  ZeRO-3 host work: {modules} modules x 2 passes x {args.accumulation} micro-batches: "
+              f"{per_pass * 1e6:.0f} us per module pass\n"
+              f"  expert loop: {f * 1e6:.0f} us per expert, full-size slice gradients at "
+              f"{1 / x / 1e9 if x > 0 else float('inf'):.2f} GB/s effective")
+    return {"zero3_module_seconds": per_pass, "expert_loop_seconds": f,
+            "memory_bandwidth": 1 / x if x > 0 else float("inf"), "modules": modules, "report": report}
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -230,7 +294,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setups", default="s1e1,s2e1,s3e1,s1e2,s2e2,s3e2")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per setup, one per round")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per setup, one per round (default 12; 24 with --calibrate, whose "
+                             "differences are small against the noise)")
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
@@ -242,12 +308,16 @@ def main() -> int:
     parser.add_argument("--link-repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--calibrate", action="store_true",
-                        help="one rank: measure ZeRO-3's host work per module pass (s3e1 minus s1e1, no communication)")
-    parser.add_argument("--zero3-module-seconds", type=float, default=None,
-                        help="ZeRO-3 host work per module pass, from a --calibrate run (default: the model's)")
+                        help="one rank, no communication: measure ZeRO-3's host work per module pass (s3e1 minus "
+                             "s1e1) and the expert loop's two rates (s1e1 with all, half and a quarter of the "
+                             "experts); write them to --json")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="the --json file of a --calibrate run (default: the model's GPU assumptions)")
     args = parser.parse_args()
     if args.calibrate:
-        args.setups = "s1e1,s3e1"
+        args.setups = "s1e1,s3e1,s1e1/2,s1e1/4"
+    if args.steps is None:
+        args.steps = 24 if args.calibrate else 12
     torch.set_num_threads(1)
     import deepspeed
 
@@ -256,7 +326,16 @@ def main() -> int:
     load = os.getloadavg()
     links = measure_links(args.link_repeats)
     compute = measure_compute(args.link_repeats)
-    extra = {} if args.zero3_module_seconds is None else {"zero3_module_seconds": args.zero3_module_seconds}
+    # Host work is CPU time: where the ranks share cores (4 ranks on 2), it stretches as the matmul
+    # does. Scale the one-rank calibration by that measured slowdown.
+    extra: dict[str, float] = {}
+    contention = 1.0
+    if args.calibration is not None:
+        cal = json.loads(args.calibration.read_text())
+        contention = max(1.0, cal["flops_per_second"] / compute["flops_per_second"])
+        extra = {"zero3_module_seconds": cal["zero3_module_seconds"] * contention,
+                 "expert_loop_seconds": cal["expert_loop_seconds"] * contention,
+                 "memory_bandwidth": cal["memory_bandwidth"] / contention}
     hw = Hardware(flops_per_second=compute["flops_per_second"], **extra,
                   intra=Link(links["all_reduce"]["bandwidth"], links["all_reduce"]["latency"]),
                   update_params_per_second=compute["update_params_per_second"],
@@ -267,6 +346,11 @@ def main() -> int:
             print(f"  {k:17s} latency {v['latency'] * 1e3:7.2f} ms  bus bandwidth {v['bandwidth'] / 1e9:6.3f} GB/s")
         print(f"  matmul {compute['flops_per_second'] / 1e9:.2f} GFLOP/s per rank, AdamW "
               f"{compute['update_params_per_second'] / 1e6:.1f} M updates/s per rank", flush=True)
+        if args.calibration is not None:
+            print(f"  host work from {args.calibration} x {contention:.2f} (one rank's matmul rate / this run's): "
+                  f"ZeRO-3 {hw.zero3_module_seconds * 1e6:.0f} us per module pass, expert loop "
+                  f"{hw.expert_loop_seconds * 1e6:.0f} us per expert, slice gradients at "
+                  f"{hw.memory_bandwidth / 1e9:.2f} GB/s", flush=True)
     names = [n for n in args.setups.split(",") if n]
     # Every engine is built first and warmed up; then the timed steps go round the setups, one step
     # each, in an order rotated every round, so that a change of load falls on every setup alike.
@@ -274,7 +358,9 @@ def main() -> int:
     engines, records = {}, {}
     for name in names:
         start = time.perf_counter()
-        engines[name], records[name] = build_setup(name, args)
+        # "s1e1/2": that setup with half the experts (the calibration)
+        fewer = args.experts // int(name[5:]) if "/" in name else None
+        engines[name], records[name] = build_setup(name[:4], args, fewer)
         for _ in range(args.warmup):
             timed_step(engines[name], records[name], args, gen)
         if rank == 0:
@@ -287,29 +373,26 @@ def main() -> int:
         engine.destroy()
     meas = {n: statistics.median(measured[n]) for n in names}
     if args.calibrate:
-        from lightning_zeromoe.planner.step_time import module_count
-
-        modules = module_count(_shape(records["s3e1"], args))
-        per_pass = (meas["s3e1"] - meas["s1e1"]) / (2 * args.accumulation * modules)
+        calibration = calibrate(records, meas, hw, args)
         if rank == 0:
-            print(f"calibration ({world} rank): s1e1 {meas['s1e1']:.4f} s, s3e1 {meas['s3e1']:.4f} s per step; "
-                  f"{modules} modules x 2 passes x {args.accumulation} micro-batches: ZeRO-3 host work "
-                  f"{per_pass * 1e6:.0f} us per module pass (--zero3-module-seconds {per_pass:.3g})")
+            print(calibration.pop("report"))
             if args.json:
-                args.json.write_text(json.dumps({"zero3_module_seconds": per_pass, "measured": measured,
-                                                 "modules": modules, "load": [load, os.getloadavg()]}))
+                args.json.write_text(json.dumps(calibration | {"flops_per_second": compute["flops_per_second"],
+                                                               "measured": measured, "load": [load, os.getloadavg()]},
+                                                indent=1))
         dist.destroy_process_group()
         return 0
     preds = {n: predict(records[n], hw, args) for n in names}
     rho = spearman([preds[n].total for n in names], [meas[n] for n in names])
     if rank == 0:
         pr, mr = ranks([preds[n].total for n in names]), ranks([meas[n] for n in names])
-        print("\n| setup | predicted s/step (compute + comm + ZeRO-3 host) | measured s/step (median) | predicted rank "
-              "| measured rank |")
+        print("\n| setup | predicted s/step (compute + comm + expert loop + ZeRO-3 host) | measured s/step (median) "
+              "| predicted rank | measured rank |")
         print("|---|---:|---:|---:|---:|")
         for i, n in enumerate(names):
             p = preds[n]
-            print(f"| {n} | {p.total:.3f} ({p.compute:.3f} + {p.comm_total:.3f} + {p.zero3_host:.3f}) | {meas[n]:.3f} "
+            print(f"| {n} | {p.total:.3f} ({p.compute:.3f} + {p.comm_total:.3f} + {p.expert_loop:.3f} + "
+                  f"{p.zero3_host:.3f}) | {meas[n]:.3f} "
                   f"| {pr[i]:g} | {mr[i]:g} |")
         print(f"Spearman rho ({world} ranks, {len(names)} setups): {rho:.3f}; load average at end "
               f"{os.getloadavg()[0]:.2f}")
@@ -317,9 +400,10 @@ def main() -> int:
             args.json.write_text(json.dumps({"world": world, "links": links, "compute": compute, "rho": rho,
                                              "measured": measured, "load": [load, os.getloadavg()],
                                              "predicted": {n: {"total": p.total, "compute": p.compute,
-                                                               "comm": p.comm_total, "zero3_host": p.zero3_host}
+                                                               "comm": p.comm_total, "zero3_host": p.zero3_host,
+                                                               "expert_loop": p.expert_loop}
                                                            for n, p in preds.items()},
-                                             "args": vars(args) | {"json": str(args.json)}}, indent=1))
+                                             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -59,6 +59,24 @@ def test_cli_model_type_uses_transformers_default_config():
     assert re.search(r"^\| 8 \| ZeRO-1 \|", out.stdout, re.M) and not re.search(r"^\| 4 \|", out.stdout, re.M)
 
 
+def test_expert_loop_slows_only_the_unconverted_blocks():
+    # transformers' "eager" experts slice fused tensors at ep_size=1; AutoEP's bf16 grouped GEMM replaces
+    # them at ep_size > 1, so only the ep_size=1 rows change (and grow).
+    def step_times(*extra: str) -> dict[tuple[str, str], float]:
+        out = planner("--model-type", "mixtral", "--gpus", "8", "--seq-len", "512", *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = re.findall(r"^\| (\d+) \| (ZeRO-[123]) \|.* \| ([\d.]+) (m?s) \|$", out.stdout, re.M)
+        assert len(rows) == 12, out.stdout[-2000:]  # ZeRO-1/2/3 at ep_size 1, 2, 4, 8
+        return {(e, z): float(v) / (1000 if unit == "ms" else 1) for e, z, v, unit in rows}
+
+    grouped, sliced = step_times(), step_times("--expert-loop", "slices")
+    for (ep, zero), seconds in grouped.items():
+        if ep == "1":
+            assert sliced[ep, zero] > seconds * 1.05, (ep, zero, seconds, sliced[ep, zero])
+        else:
+            assert sliced[ep, zero] == seconds, (ep, zero, seconds, sliced[ep, zero])
+
+
 @pytest.mark.parametrize("case, entry", [
     ("dense", "planner-hf-config"), ("unknown", "planner-hf-config"), ("missing", "planner-hf-config"),
     ("ep", "ep-size-divisibility"),

@@ -12,8 +12,8 @@ from lightning_zeromoe.planner import GB, ParamCounts, choose_stage, plan
 from lightning_zeromoe.planner.comm import CommShape, predict
 from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
 from lightning_zeromoe.planner.setups import LADDER, Setup
-from lightning_zeromoe.planner.step_time import (Hardware, Link, ModelShape, bus_factor, flops_per_token,
-                                                 predict_step_time, spans_nodes)
+from lightning_zeromoe.planner.step_time import (Hardware, Link, ModelShape, bus_factor, expert_loop_time,
+                                                 flops_per_token, looped_experts, predict_step_time, spans_nodes)
 
 
 def tiny_counts() -> ParamCounts:
@@ -45,6 +45,38 @@ def test_flops_per_token_of_the_tiny_model_by_hand():
                                        num_experts=e, tokens_per_micro_batch=4 * s, accumulation=3), hw, model=model)
     assert step.flops_per_rank == flops_per_token(shape, model) * 4 * s * 3
     assert step.compute == pytest.approx(step.flops_per_rank / 1e9 + counts.total / 2 / 1e15)
+
+
+def test_expert_loop_costs_per_local_expert_and_quadratically_for_sliced_tensors():
+    # The tiny model: 2 MoE layers of 4 experts, fp32; 3 micro-batches. Each rank loops over its own
+    # experts: 4 at ep_size=1, 2 at ep_size=2.
+    counts = tiny_counts()
+    per_layer = counts.expert_total / 2 * 4  # one layer's expert gradients, bytes
+    hw = Hardware(expert_loop_seconds=1e-3, memory_bandwidth=1e9)
+
+    def loop(ep: int, how: str) -> float:
+        shape = CommShape(counts=counts, stage=1, world=2, ep_size=ep, precision="fp32", moe_layers=2, num_experts=4,
+                          accumulation=3)
+        model = ModelShape(expert_loop=how, autoep_expert_loop=how)
+        assert looped_experts(shape, model) == (0 if how == "grouped" else 4 // ep)
+        return expert_loop_time(shape, model, hw)
+
+    assert loop(1, "grouped") == loop(2, "grouped") == 0.0  # grouped GEMMs: the default, no loop
+    assert loop(1, "modules") == pytest.approx(3 * 2 * 4 * 1e-3)
+    assert loop(2, "modules") == pytest.approx(loop(1, "modules") / 2)
+    # Sliced fused tensors: every slice's backward writes and sums a gradient of the whole local tensor
+    # (4 passes), so the traffic term falls with ep_size squared: 2x fewer slices, each 2x smaller.
+    assert loop(1, "slices") == pytest.approx(3 * 2 * 4 * (1e-3 + 4 * per_layer / 1e9))
+    assert loop(2, "slices") - loop(2, "modules") == pytest.approx((loop(1, "slices") - loop(1, "modules")) / 4)
+    step = predict_step_time(CommShape(counts=counts, stage=1, world=2, precision="fp32", moe_layers=2, num_experts=4,
+                                       accumulation=3), hw, model=ModelShape(expert_loop="slices"))
+    assert step.expert_loop == pytest.approx(loop(1, "slices"))
+    assert step.total == pytest.approx(step.compute + step.comm_total + step.expert_loop)
+    # The model's own blocks run at ep_size=1; AutoEP's layer replaces them above (grouped in bf16 on GPUs).
+    eager = ModelShape(expert_loop="slices")
+    assert (eager.loop_at(1), eager.loop_at(2)) == ("slices", "grouped")
+    with pytest.raises(ValueError, match="expert_loop='eager'"):
+        ModelShape(expert_loop="eager")
 
 
 def test_comm_time_is_bytes_over_bandwidth_per_group():

@@ -166,7 +166,7 @@ def valid_ep_sizes(num_experts: int, num_gpus: int) -> list[int]:
 def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
     """Every ladder setup at every valid ep_size (or the one asked for)."""
     from lightning_zeromoe.planner.comm import CommShape, predict
-    from lightning_zeromoe.planner.step_time import ModelShape, predict_step_time
+    from lightning_zeromoe.planner.step_time import ModelShape, autoep_loop, predict_step_time
 
     gpus_per_node = args.gpus_per_node or args.gpus
     hardware = hardware_from(args)
@@ -198,7 +198,9 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
             comm = predict(shape)
             rows.append(Row(ep, setup, p, comm, predict_step_time(
                 shape, hardware, model=ModelShape(attention_layers=facts.num_layers, seq_len=args.seq_len,
-                                                  attention_width=facts.num_heads * facts.head_dim),
+                                                  attention_width=facts.num_heads * facts.head_dim,
+                                                  expert_loop=args.expert_loop,
+                                                  autoep_expert_loop=autoep_loop(args.precision)),
                 gpus_per_node=gpus_per_node, offload_optimizer=setup.offload_optimizer,
                 offload_parameters=setup.offload_parameters, prediction=comm)))
     return rows
@@ -336,6 +338,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per GPU for the step time (default 400)")
     parser.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default 450, NVLink)")
     parser.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s (default 50, IB)")
+    parser.add_argument("--expert-loop", choices=("grouped", "modules", "slices"), default="grouped",
+                        help="how the model's MoE blocks run their experts at ep_size=1: grouped GEMMs (transformers "
+                             "5's default where it can), a loop over a ModuleList, or a loop over fused-tensor "
+                             "slices (experts_implementation='eager'); default grouped")
 
 
 def run_hf(args: argparse.Namespace) -> int:

@@ -30,7 +30,8 @@ communication
     all-reduce per reduce bucket plus one norm per flat group, one all-gather per flat group; ZeRO-3
     one coalesced gather per ``stage3_prefetch_bucket_size`` elements of a pass (at most one per
     module; one per module on the first micro-batch, which records the trace) and one reduction per
-    bucket and per change of group in backward order; AutoEP's per-layer all-to-alls (:func:`_calls`).
+    bucket and per change of group in backward order; AutoEP's per-layer all-to-alls
+    (:func:`lightning_zeromoe.planner.calls.calls_per_step`).
 
 offload (``offload_optimizer``)
     PCIe traffic: each rank copies its gradient partition to the host (stages 1/2: fp32, 4 bytes;
@@ -40,6 +41,27 @@ offload (``offload_optimizer``)
     adds the host-to-device copy of every parameter partition ZeRO-3 gathers. Modelled from
     DeepSpeed's design, not measured (this project's test machines have no GPU to offload from).
 
+the expert loop
+    A block that runs its experts one at a time pays for it twice, whatever the experts' FLOPs:
+    - a fixed host cost per expert: the token selection and the launches of its small matmuls,
+      forward and backward (:attr:`Hardware.expert_loop_seconds`);
+    - where the loop slices fused 3-D expert tensors (``weight[e]``: transformers' ``"eager"``
+      experts, AutoEP's layer with ``use_grouped_mm=False``), backward materialises a *full-size*
+      gradient for every slice (torch's ``select_backward`` allocates zeros of the whole tensor and
+      copies the slice in; autograd then adds it into the tensor's gradient): about 4 passes over
+      the layer's local expert tensors per expert, so a cost quadratic in the local experts, at
+      :attr:`Hardware.memory_bandwidth`.
+
+    ``micro-batches * moe_layers * looped * (expert_loop_seconds + [slices] 4 * local expert bytes /
+    memory_bandwidth)``, with ``looped`` each rank's own experts: ``num_experts`` at ``ep_size=1``,
+    ``num_experts / ep_size`` with AutoEP, and the local expert bytes of one layer in the gradient's
+    dtype. Expert parallelism thus cuts this term by ``ep_size`` (modules) or ``ep_size**2``
+    (slices). Counted per :attr:`ModelShape.expert_loop` (the model's blocks, ``ep_size=1``) and
+    :attr:`ModelShape.autoep_expert_loop` (AutoEP's layer); both default to ``"grouped"``, no loop:
+    transformers 5 runs its MoE experts as grouped GEMMs where it can, and the strategy turns on
+    AutoEP's grouped GEMM in bf16 on GPUs. On CPU ranks both rates are measured
+    (``benchmarks/rank_setups.py --calibrate``: the same model with 8, 4 and 2 experts on one rank).
+
 ZeRO-3's host-side work
     ZeRO-3 runs hooks and its parameter coordinator (fetch, release, trace bookkeeping) for every
     module with parameters, in forward and in backward, whether or not a gather is needed:
@@ -47,7 +69,8 @@ ZeRO-3's host-side work
     (``benchmarks/rank_setups.py --calibrate``: stage 3 minus stage 1 on one rank, where neither
     communicates, per module pass); the GPU default is an assumption, see the field.
 
-Overlap assumption: none. ``total = compute + communication + offload + ZeRO-3 host`` is the serial sum, an upper
+Overlap assumption: none. ``total = compute + communication + offload + expert loop + ZeRO-3 host``
+is the serial sum, an upper
 bound. On GPUs ``overlap_comm`` hides part of the gradient reductions behind backward, so absolute
 figures are pessimistic there; :attr:`Hardware.overlap` (0..1) subtracts that fraction of the
 gradient-reduction time, at most the backward compute (2/3 of compute), if you want to model it.
@@ -57,10 +80,10 @@ Pure module: no torch import.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from lightning_zeromoe.planner.comm import CommPrediction, CommShape, forward_order, predict, regathered
+from lightning_zeromoe.planner.calls import calls_per_step
+from lightning_zeromoe.planner.comm import CommPrediction, CommShape, predict
 from lightning_zeromoe.planner.setups import _PRECISION_BYTES, Setup, normalize_precision
 
 
@@ -104,6 +127,15 @@ class Hardware:
     #: release bookkeeping. An assumption for GPUs (not measured here): tens of microseconds of Python
     #: per module pass. On CPU ranks measured by ``benchmarks/rank_setups.py --calibrate``.
     zero3_module_seconds: float = 50e-6
+    #: Host cost of one expert run on its own, forward and backward, in a block that loops over its
+    #: experts (see :attr:`ModelShape.expert_loop`): token selection and the launches of ~30 small
+    #: kernels at a few microseconds each. An assumption for GPUs (not measured here); on CPU ranks
+    #: measured by ``benchmarks/rank_setups.py --calibrate``.
+    expert_loop_seconds: float = 100e-6
+    #: Achieved device memory bandwidth, bytes/s, for the full-size gradients of a sliced expert
+    #: loop: ~80% of H200's 4.8 TB/s HBM3e (NVIDIA datasheet). On CPU ranks an effective rate fitted
+    #: by ``benchmarks/rank_setups.py --calibrate``.
+    memory_bandwidth: float = 4.0e12
     #: Fraction (0..1) of gradient-reduction time hidden behind backward; 0 = serial sum.
     overlap: float = 0.0
     #: Links measured per collective (``"all_reduce"``, ``"all_gather"``, ...), or per collective and
@@ -131,9 +163,11 @@ class StepTime:
     zero3_host: float
     flops_per_rank: float
     comm_bytes: float
+    #: Host cost of the experts run one at a time (0 when the experts run as grouped GEMMs), seconds.
+    expert_loop: float = 0.0
     #: (collective, group) -> (calls per step, ranks in the group, whether it spans nodes).
     groups: dict[tuple[str, str], tuple[int, int, bool]] = field(default_factory=dict)
-    overlap: str = "none: total = compute + communication + offload + ZeRO-3 host work (serial sum)"
+    overlap: str = "none: total = compute + communication + offload + expert loop + ZeRO-3 host work (serial sum)"
 
     @property
     def comm_total(self) -> float:
@@ -148,6 +182,54 @@ class ModelShape:
     seq_len: int = 0
     #: Attention width (heads x head size); 0: the hidden size.
     attention_width: int = 0
+    #: How the model's own MoE blocks run their experts (at ``ep_size=1``, where nothing converts
+    #: them): ``"grouped"`` (grouped GEMMs: transformers 5's default where it can dispatch them),
+    #: ``"modules"`` (a loop over a ``ModuleList`` of expert modules) or ``"slices"`` (a loop over
+    #: slices of fused 3-D expert tensors: transformers' ``experts_implementation="eager"``).
+    expert_loop: str = "grouped"
+    #: The same for AutoEP's layer (``ep_size > 1``): ``"grouped"`` in bf16 on GPUs, where the
+    #: strategy turns on its grouped GEMM; ``"slices"`` otherwise (its per-expert loop).
+    autoep_expert_loop: str = "grouped"
+
+    def __post_init__(self) -> None:
+        for name in ("expert_loop", "autoep_expert_loop"):
+            if getattr(self, name) not in EXPERT_LOOPS:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(EXPERT_LOOPS)}")
+
+    def loop_at(self, ep_size: int) -> str:
+        """How the experts run at this ``ep_size``: the model's blocks at 1, AutoEP's layer above."""
+        return self.expert_loop if ep_size <= 1 else self.autoep_expert_loop
+
+
+EXPERT_LOOPS = ("grouped", "modules", "slices")
+
+
+def autoep_loop(precision: str) -> str:
+    """How AutoEP's layer runs its experts on GPUs under the strategy: grouped GEMM in bf16
+    (``torch._grouped_mm`` takes bf16 only; ``config.resolve.grouped_mm_applies``), a loop over
+    slices otherwise."""
+    return "grouped" if normalize_precision(precision) == "bf16" else "slices"
+
+
+def looped_experts(shape: CommShape, model: ModelShape) -> int:
+    """Experts one rank runs one at a time per MoE layer and micro-batch: its own experts
+    (``num_experts / ep_size``) when the blocks loop over them, else 0."""
+    if model.loop_at(shape.ep_size) == "grouped" or not shape.moe_layers:
+        return 0
+    return shape.num_experts // max(1, shape.ep_size)
+
+
+def expert_loop_time(shape: CommShape, model: ModelShape, hardware: Hardware) -> float:
+    """Seconds per optimizer step of the expert loop on one rank (module docstring, "the expert loop")."""
+    looped = looped_experts(shape, model)
+    if not looped:
+        return 0.0
+    per_expert = hardware.expert_loop_seconds
+    if model.loop_at(shape.ep_size) == "slices":
+        grad_bytes = _PRECISION_BYTES[normalize_precision(shape.precision)][1]
+        local_bytes = shape.counts.expert_total / shape.moe_layers / max(1, shape.ep_size) * grad_bytes
+        per_expert += 4 * local_bytes / hardware.memory_bandwidth
+    return shape.accumulation * shape.moe_layers * looped * per_expert
 
 
 def flops_per_token(shape: CommShape, model: ModelShape) -> float:
@@ -190,83 +272,6 @@ def bus_factor(collective: str, n: int) -> float:
     return (n - 1) / n
 
 
-def _gather_calls(tensors: list[tuple[int, str]], bucket: int) -> int:
-    """All-gather calls of one pass over ``tensors`` (elements, module) under ZeRO-3's prefetcher
-    (``partitioned_param_coordinator.py``): each module fetch gathers what is not in flight yet
-    and then prefetches up to ``bucket`` elements ahead in one coalesced call, so a pass makes about
-    one call per ``bucket`` elements, at most one per module; without prefetching one per module."""
-    if not tensors:
-        return 0
-    modules = len({m for _, m in tensors})
-    return modules if bucket <= 0 else min(modules, math.ceil(sum(n for n, _ in tensors) / bucket))
-
-
-def _reduce_calls(order: list[tuple[int, bool, str]], bucket: int) -> dict[bool, int]:
-    """ZeRO-3's gradient reductions per micro-batch, by group (True: expert-data-parallel). Gradients
-    arrive in backward order into one bucket, which is reduced when it is full and whenever the
-    next gradient belongs to the other group (``reduce_independent_p_g_buckets_and_remove_grads``)."""
-    calls = {False: 0, True: 0}
-    group, filled = None, 0
-    for n, expert, _ in reversed(order):
-        if group is not None and (expert != group or (filled + n > bucket and filled > 0)):
-            calls[group] += 1
-            filled = 0
-        group, filled = expert, filled + n
-    if group is not None:
-        calls[group] += 1
-    return calls
-
-
-def _calls(shape: CommShape, prediction: CommPrediction) -> dict[tuple[str, str], int]:
-    """Collective calls per optimizer step, for the latency term. Checked against the ledger's
-    call counts on CPU ranks (``tests/test_comm_ledger.py``)."""
-    W, ep, A = shape.world, shape.ep_size, shape.accumulation
-    apart = ep > 1
-    dense = list(shape.counts.dense) + ([] if apart else list(shape.counts.expert))
-    local = [n // ep for n in shape.counts.expert] if apart else []
-    p = _PRECISION_BYTES[normalize_precision(shape.precision)][0]
-    calls: dict[tuple[str, str], int] = {}
-
-    def buckets(sizes: list[int], bucket: int) -> int:
-        return math.ceil(sum(sizes) / bucket) if sizes and bucket > 0 else (1 if sizes else 0)
-
-    if shape.stage in (1, 2):
-        reductions = A if shape.stage == 2 else 1
-        groups = shape.dense_param_groups + (1 if apart else 0)
-        # the bucketed gradients, one norm per flat group, and the 16-bit overflow flag
-        calls[("all_reduce", "world")] = reductions * buckets(dense, shape.reduce_bucket_size) + groups + (p == 2)
-        calls[("all_reduce", "expert_data_parallel")] = reductions * buckets(local, shape.reduce_bucket_size) + 1
-        calls[("all_gather", "world")] = shape.dense_param_groups
-        calls[("all_gather", "expert_data_parallel")] = 1 if apart else 0
-    elif shape.stage == 3:
-        threshold, bucket = shape.param_persistence_threshold, shape.prefetch_bucket_size
-        order = forward_order(shape)
-
-        def gathers(tensors: list[tuple[int, bool, str]], expert: bool, prefetch: int) -> int:
-            return _gather_calls([(n, m) for n, e, m in tensors if e == expert and n > threshold], prefetch)
-
-        # Forward every micro-batch, backward re-gathers as in comm.predict. The first micro-batch of
-        # the first step records the trace: nothing to prefetch from, one fetch per module both ways.
-        recording = shape.first_step
-        passes = [(order, 0 if recording else bucket)] + [(order, bucket)] * (A - 1)
-        passes += [(regathered(shape, recording), 0 if recording else bucket)]
-        passes += [(regathered(shape, False), bucket)] * (A - 1)
-        reduce = _reduce_calls(order, shape.reduce_bucket_size)
-        calls[("all_gather", "world")] = sum(gathers(t, False, b) for t, b in passes)
-        calls[("all_gather", "expert_data_parallel")] = sum(gathers(t, True, b) for t, b in passes)
-        calls[("reduce_scatter", "world")] = A * reduce[False]
-        calls[("reduce_scatter", "expert_data_parallel")] = A * reduce[True]
-        calls[("all_reduce", "world")] = 1
-        calls[("all_reduce", "expert_data_parallel")] = 1 if apart else 0
-        calls[("all_reduce", "expert_parallel")] = 1 if apart else 0
-    if apart and shape.moe_layers:
-        forwards = 2 if shape.activation_checkpointing else 1
-        calls[("all_to_all", "expert_parallel")] = A * shape.moe_layers * (3 * forwards + 2)
-    if W > 1 and shape.lightning:
-        calls[("broadcast", "world")] = A
-    return {k: v for k, v in calls.items() if k in prediction.bytes}
-
-
 def module_count(shape: CommShape) -> int:
     """Modules with parameters: from ``param_order`` when given, else one per parameter tensor."""
     if shape.param_order is not None:
@@ -296,7 +301,7 @@ def predict_step_time(shape: CommShape, hardware: Hardware = Hardware(), *, mode
     flops = flops_per_token(shape, model) * tokens
     compute = flops / hardware.flops_per_second
     elements = partition_elements(shape)
-    calls = _calls(shape, prediction)
+    calls = calls_per_step(shape, prediction)
     comm: dict[tuple[str, str], float] = {}
     groups: dict[tuple[str, str], tuple[int, int, bool]] = {}
     grad_time = 0.0
@@ -320,16 +325,18 @@ def predict_step_time(shape: CommShape, hardware: Hardware = Hardware(), *, mode
             offload += gathered / max(1, shape.world) / hardware.pcie_bandwidth
     else:
         compute += elements / hardware.update_params_per_second
+    expert_loop = expert_loop_time(shape, model, hardware)
     zero3_host = 0.0
     if shape.stage == 3:
         zero3_host = 2 * shape.accumulation * module_count(shape) * hardware.zero3_module_seconds
     hidden = min(hardware.overlap * grad_time, compute * 2 / 3)
-    total = compute + sum(comm.values()) + offload + zero3_host - hidden
-    overlap = ("none: total = compute + communication + offload + ZeRO-3 host work (serial sum)" if not hardware.overlap else
+    total = compute + sum(comm.values()) + offload + expert_loop + zero3_host - hidden
+    overlap = ("none: total = compute + communication + offload + expert loop + ZeRO-3 host work (serial sum)"
+               if not hardware.overlap else
                f"{hardware.overlap:.0%} of gradient-reduction time hidden behind backward ({hidden:.3g} s)")
     return StepTime(compute=compute, comm=comm, offload=offload, total=total, zero3_host=zero3_host,
-                    flops_per_rank=flops,
-                    comm_bytes=prediction.total, groups=groups, overlap=overlap)
+                    flops_per_rank=flops, comm_bytes=prediction.total, expert_loop=expert_loop, groups=groups,
+                    overlap=overlap)
 
 
 def setup_step_time(shape: CommShape, setup: Setup, hardware: Hardware = Hardware(), **kwargs: object) -> StepTime:
@@ -349,6 +356,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-__all__ = ["INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "bus_factor", "flops_per_token",
-           "format_seconds", "group_ranks", "module_count", "partition_elements", "predict_step_time", "setup_step_time",
-           "spans_nodes"]
+__all__ = ["EXPERT_LOOPS", "INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "autoep_loop", "bus_factor",
+           "expert_loop_time", "flops_per_token", "format_seconds", "group_ranks", "looped_experts", "module_count",
+           "partition_elements", "predict_step_time", "setup_step_time", "spans_nodes"]

@@ -45,10 +45,10 @@ def compare(ranks: list[dict], index: int) -> tuple[dict[str, float], dict[str, 
 def compare_calls(ranks: list[dict], index: int) -> tuple[dict[str, int], dict[str, int]]:
     """(measured, predicted) collective calls per cell of step ``index`` on rank 0 (every rank
     makes the same calls), the step-time model's latency term."""
-    from lightning_zeromoe.planner.step_time import _calls
+    from lightning_zeromoe.planner.calls import calls_per_step
 
     shape = shape_of(ranks[0], first_step=index == 0)
-    predicted = {f"{c}/{g}": n for (c, g), n in _calls(shape, predict(shape)).items() if n}
+    predicted = {f"{c}/{g}": n for (c, g), n in calls_per_step(shape, predict(shape)).items() if n}
     return {k: n for k, n in ranks[0]["steps"][index]["calls"].items() if n}, predicted
 
 
