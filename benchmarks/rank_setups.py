@@ -306,6 +306,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--link-repeats", type=int, default=5)
+    parser.add_argument("--same-batches", action="store_true",
+                        help="every rank draws the same batches (equal routing, so no rank waits for a slower one)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--calibrate", action="store_true",
                         help="one rank, no communication: measure ZeRO-3's host work per module pass (s3e1 minus "
@@ -354,7 +356,7 @@ def main() -> int:
     names = [n for n in args.setups.split(",") if n]
     # Every engine is built first and warmed up; then the timed steps go round the setups, one step
     # each, in an order rotated every round, so that a change of load falls on every setup alike.
-    gen = torch.Generator().manual_seed(1 + rank)
+    gen = torch.Generator().manual_seed(1 if args.same_batches else 1 + rank)
     engines, records = {}, {}
     for name in names:
         start = time.perf_counter()
