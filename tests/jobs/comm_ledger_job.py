@@ -198,13 +198,9 @@ def main() -> None:
         start = time.perf_counter()
         run(name, args.out, world)
         print(f"fit {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    # End the process group before the interpreter does: a gloo group left to exit can abort a rank
-    # ("terminate called without an active exception", SIGABRT), and torchrun then fails the launch.
-    import torch.distributed as dist
+    from _teardown import end_process_group  # tests/jobs: the script's own directory
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

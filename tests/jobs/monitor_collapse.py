@@ -86,13 +86,9 @@ def main() -> None:
     result["healthy"] = run_case("healthy", args.out, aux_weight=0.01, collapse=False)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{result['rank']}.json").write_text(json.dumps(result))
-    # End the process group before the interpreter does: a gloo group left to exit can abort a rank
-    # ("terminate called without an active exception", SIGABRT), and torchrun then fails the launch.
-    import torch.distributed as dist
+    from _teardown import end_process_group  # tests/jobs: the script's own directory
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

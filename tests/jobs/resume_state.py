@@ -23,7 +23,6 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
