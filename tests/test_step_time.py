@@ -12,8 +12,9 @@ from lightning_zeromoe.planner import GB, ParamCounts, choose_stage, plan
 from lightning_zeromoe.planner.comm import CommShape, predict
 from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
 from lightning_zeromoe.planner.setups import LADDER, Setup
-from lightning_zeromoe.planner.step_time import (Hardware, Link, ModelShape, bus_factor, expert_loop_time,
-                                                 flops_per_token, looped_experts, predict_step_time, spans_nodes)
+from lightning_zeromoe.planner.step_time import (Hardware, Link, ModelShape, bus_factor, expert_loop_of,
+                                                 expert_loop_time, flops_per_token, looped_experts, predict_step_time,
+                                                 spans_nodes)
 
 
 def tiny_counts() -> ParamCounts:
@@ -77,6 +78,41 @@ def test_expert_loop_costs_per_local_expert_and_quadratically_for_sliced_tensors
     assert (eager.loop_at(1), eager.loop_at(2)) == ("slices", "grouped")
     with pytest.raises(ValueError, match="expert_loop='eager'"):
         ModelShape(expert_loop="eager")
+
+
+def test_plan_reads_how_the_model_runs_its_experts():
+    import torch
+    from torch import nn
+
+    class ListMoE(nn.Module):  # the hand-written kind: a router and a ModuleList of expert MLPs
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(16, 4, bias=False)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16)) for _ in range(4))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict({"mlp": ListMoE()}) for _ in range(2))
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def mixtral(**kwargs):
+        with torch.device("meta"):
+            return MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                                    **kwargs))
+
+    assert expert_loop_of(Net()) == "modules"
+    assert expert_loop_of(mixtral()) == "grouped"  # transformers 5's default: grouped GEMMs
+    assert expert_loop_of(mixtral(experts_implementation="eager")) == "slices"
+    assert expert_loop_of(None) == "grouped"
+    # plan() charges the loop at ep_size=1 only, where the model's own blocks run (fp32: AutoEP loops too)
+    common = dict(num_gpus=2, gpu_memory_bytes=GB, micro_batch=2, seq_len=8, num_experts=4, top_k=2, hidden_size=16,
+                  num_layers=2, num_heads=2, ffn_hidden_size=32, vocab_size=64)
+    for ep, loops in ((1, True), (2, False)):
+        loop = [t.expert_loop for t in plan(Net(), ep_size=ep, precision="bf16", **common).step_times.values()]
+        assert all(t > 0 for t in loop) if loops else not any(loop), (ep, loop)
 
 
 def test_comm_time_is_bytes_over_bandwidth_per_group():

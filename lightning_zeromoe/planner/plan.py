@@ -216,7 +216,7 @@ def _step_times(model: Any, counts: ParamCounts, *, world: int, gpus_per_node: i
                 moe_layers: int | None, is_expert: Callable[[str], bool]) -> dict[Setup, StepTime]:
     """Predicted step time of every ladder setup (compute only when micro_batch and seq_len are given)."""
     from lightning_zeromoe.planner.comm import CommShape
-    from lightning_zeromoe.planner.step_time import ModelShape, autoep_loop, setup_step_time
+    from lightning_zeromoe.planner.step_time import ModelShape, autoep_loop, expert_loop_of, setup_step_time
 
     cfg = getattr(model, "config", None)
 
@@ -239,7 +239,8 @@ def _step_times(model: Any, counts: ParamCounts, *, world: int, gpus_per_node: i
                       num_experts=num_experts or 0, tokens_per_micro_batch=tokens, accumulation=accumulation,
                       reduce_bucket_size=bucket_elements or 50_000_000, allgather_bucket_size=bucket_elements or 50_000_000,
                       activation_checkpointing=activation_checkpointing, param_order=order)
-    shapes = ModelShape(attention_layers=layers, seq_len=seq_len or 0, autoep_expert_loop=autoep_loop(precision))
+    shapes = ModelShape(attention_layers=layers, seq_len=seq_len or 0, expert_loop=expert_loop_of(model),
+                        autoep_expert_loop=autoep_loop(precision))
     del num_heads  # attention width = hidden size (heads x head size) for the models planned here
     return {s: setup_step_time(shape, s, hardware, model=shapes, gpus_per_node=gpus_per_node) for s in LADDER}
 

@@ -81,6 +81,7 @@ Pure module: no torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_zeromoe.planner.calls import calls_per_step
 from lightning_zeromoe.planner.comm import CommPrediction, CommShape, predict
@@ -209,6 +210,21 @@ def autoep_loop(precision: str) -> str:
     (``torch._grouped_mm`` takes bf16 only; ``config.resolve.grouped_mm_applies``), a loop over
     slices otherwise."""
     return "grouped" if normalize_precision(precision) == "bf16" else "slices"
+
+
+def expert_loop_of(model: Any) -> str:
+    """How ``model``'s own MoE blocks run their experts, for the step time's expert-loop term
+    (:class:`~lightning_zeromoe.planner.step_time.ModelShape`): ``"modules"`` when it holds a
+    ``ModuleList`` named ``experts`` (the hand-written kind, older transformers models);
+    ``"slices"`` when its transformers config asks for ``experts_implementation="eager"`` (a loop over
+    fused expert tensors); else ``"grouped"`` (transformers 5's default, grouped GEMMs, or unknown)."""
+    if model is None or not hasattr(model, "named_modules"):
+        return "grouped"
+    if any(type(m).__name__ == "ModuleList" and name.rpartition(".")[2] == "experts"
+           for name, m in model.named_modules()):
+        return "modules"
+    implementation = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    return "slices" if implementation == "eager" else "grouped"
 
 
 def looped_experts(shape: CommShape, model: ModelShape) -> int:
@@ -356,6 +372,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-__all__ = ["EXPERT_LOOPS", "INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "autoep_loop", "bus_factor",
-           "expert_loop_time", "flops_per_token", "format_seconds", "group_ranks", "looped_experts", "module_count",
-           "partition_elements", "predict_step_time", "setup_step_time", "spans_nodes"]
+__all__ = ["EXPERT_LOOPS", "INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "autoep_loop",
+           "bus_factor", "expert_loop_of", "expert_loop_time", "flops_per_token", "format_seconds", "group_ranks",
+           "looped_experts", "module_count", "partition_elements", "predict_step_time", "setup_step_time", "spans_nodes"]
