@@ -31,7 +31,7 @@ Method, in one launch (``torch.distributed.run``, gloo):
    and AutoEP's layer without grouped GEMM both loop over slices of fused expert tensors,
    ``ModelShape(expert_loop="slices")``). Host work is CPU time: where ranks share cores it
    stretches as the matmul does, so the calibration is scaled by one rank's matmul rate over this
-   run's (1.0 on 2 ranks on 2 cores; about 2.4 on 4).
+   run's (1.0 on 2 ranks on 2 cores; 2.1-2.4 on 4 in the README's runs).
    Printed: predicted and measured seconds and ranks per setup, and Spearman's rank correlation
    (average ranks for ties, written here: no scipy in this environment).
 

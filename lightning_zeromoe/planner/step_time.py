@@ -70,10 +70,10 @@ ZeRO-3's host-side work
     communicates, per module pass); the GPU default is an assumption, see the field.
 
 Overlap assumption: none. ``total = compute + communication + offload + expert loop + ZeRO-3 host``
-is the serial sum, an upper
-bound. On GPUs ``overlap_comm`` hides part of the gradient reductions behind backward, so absolute
-figures are pessimistic there; :attr:`Hardware.overlap` (0..1) subtracts that fraction of the
-gradient-reduction time, at most the backward compute (2/3 of compute), if you want to model it.
+is the serial sum, an upper bound. On GPUs ``overlap_comm`` hides part of the gradient reductions
+behind backward, so absolute figures are pessimistic there; :attr:`Hardware.overlap` (0..1)
+subtracts that fraction of the gradient-reduction time, at most the backward compute (2/3 of
+compute), if you want to model it.
 
 Pure module: no torch import.
 """
