@@ -14,6 +14,9 @@
   rename would silently re-initialise every loaded weight: :func:`missing` checks that
   ``modeling_utils`` still reads it.
 * ``config._name_or_path``: where a model was loaded from, recorded in the export metadata.
+* ``config._experts_implementation``: how a model's MoE experts run (``"eager"``: a loop over the
+  slices of the fused expert tensors; ``"grouped_mm"``, the default where it dispatches), which the
+  planner's step time reads (:func:`experts_implementation`).
 * ``PreTrainedModel._can_record_outputs``: which submodules' outputs ``output_router_logits`` records.
 * ``utils.output_capturing._CAN_RECORD_REGISTRY``: each model class's ``_can_record_outputs``, keyed
   by ``str(cls)``. A plain ``dict`` up to 5.22; from 5.23 a ``dict`` subclass whose ``get(model)`` and
@@ -29,7 +32,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 NAMES = ("_load_state_dict_into_zero3_model", "_hf_deepspeed_config_weak_ref", "_apply_weight_conversions_to_state_dict",
-         "_weight_conversions", "_is_hf_initialized", "_name_or_path", "_can_record_outputs", "_CAN_RECORD_REGISTRY")
+         "_weight_conversions", "_is_hf_initialized", "_name_or_path", "_experts_implementation", "_can_record_outputs",
+         "_CAN_RECORD_REGISTRY")
 
 
 def missing() -> list[str]:
@@ -49,6 +53,8 @@ def missing() -> list[str]:
         gone.append("core_model_loading keeps model._weight_conversions")
     if not hasattr(PretrainedConfig(), "_name_or_path"):
         gone.append("PretrainedConfig._name_or_path")
+    if not isinstance(getattr(PretrainedConfig, "_experts_implementation", None), property):
+        gone.append("PretrainedConfig._experts_implementation")
     if not hasattr(PreTrainedModel, "_can_record_outputs"):
         gone.append("PreTrainedModel._can_record_outputs")
     if not isinstance(output_capture_registry(), dict):
@@ -142,6 +148,13 @@ def mark_loaded(tensor: Any) -> None:
 def name_or_path(config: Any) -> str:
     """Where a model's config was loaded from ("" when built from scratch)."""
     return getattr(config, "_name_or_path", "") or ""
+
+
+def experts_implementation(config: Any) -> str | None:
+    """How a transformers model's MoE experts run (``"eager"``, ``"grouped_mm"``, ...); None when the
+    config does not say (not a transformers config, or a version without it)."""
+    value = getattr(config, "_experts_implementation", None)
+    return value if isinstance(value, str) else None
 
 
 def recorded_outputs(model: Any) -> dict[str, Any]:

@@ -223,8 +223,9 @@ def expert_loop_of(model: Any) -> str:
     if any(type(m).__name__ == "ModuleList" and name.rpartition(".")[2] == "experts"
            for name, m in model.named_modules()):
         return "modules"
-    implementation = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    return "slices" if implementation == "eager" else "grouped"
+    from lightning_zeromoe._private.transformers import experts_implementation  # torch is loaded: a model
+
+    return "slices" if experts_implementation(getattr(model, "config", None)) == "eager" else "grouped"
 
 
 def looped_experts(shape: CommShape, model: ModelShape) -> int:
