@@ -243,10 +243,10 @@ def calibrate(records: dict[str, Any], meas: dict[str, float], hw: Hardware, arg
     per_pass = (meas["s3e1"] - meas["s1e1"]) / (2 * args.accumulation * modules)
     bare = replace(hw, expert_loop_seconds=0.0, memory_bandwidth=float("inf"))
     names = ["s1e1", "s1e1/2", "s1e1/4"]
-    experts = {n: args.experts // (int(n[5:]) if "/" in n else 1) for n in names}
+    experts = {n: records[n]["experts"] for n in names}
     rest = {n: meas[n] - predict(records[n], bare, args).total for n in names}
     passes = args.layers * args.accumulation
-    layer_bytes = {n: sum(records[n]["counts"][1]) * 4 / args.layers for n in names}  # fp32 gradients
+    layer_bytes = {n: sum(records[n]["counts"][1]) * 4 / records[n]["moe_layers"] for n in names}  # fp32 gradients
     # rest[a] - rest[b] = passes * ((E_a - E_b) * f + 4 * (E_a b_a - E_b b_b) * x), x = 1 / bandwidth
     rows = [(passes * (experts[a] - experts[b]), passes * 4 * (experts[a] * layer_bytes[a] - experts[b] * layer_bytes[b]),
              rest[a] - rest[b]) for a, b in (("s1e1", "s1e1/2"), ("s1e1/2", "s1e1/4"))]

@@ -26,7 +26,7 @@ from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import GatherUnit, ParamCounts, count_params, gather_units, is_expert_param
 from lightning_zeromoe.planner.plan import Plan, mixtral_report, plan
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
-from lightning_zeromoe.planner.step_time import format_seconds
+from lightning_zeromoe.planner.step_time import EXPERT_LOOPS, format_seconds
 
 #: Config attributes that name the number of routed experts / experts per token, by model family.
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -338,7 +338,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per GPU for the step time (default 400)")
     parser.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default 450, NVLink)")
     parser.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s (default 50, IB)")
-    parser.add_argument("--expert-loop", choices=("grouped", "modules", "slices"), default="grouped",
+    parser.add_argument("--expert-loop", choices=EXPERT_LOOPS, default="grouped",
                         help="how the model's MoE blocks run their experts at ep_size=1: grouped GEMMs (transformers "
                              "5's default where it can), a loop over a ModuleList, or a loop over fused-tensor "
                              "slices (experts_implementation='eager'); default grouped")
