@@ -42,7 +42,8 @@ and group), :mod:`.step_time` (predicted seconds per step, by which the recommen
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, estimate_activations
 from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
-from lightning_zeromoe.planner.plan import Plan, Recommendation, choose_stage, mixtral_report, plan, seed_estimate
+from lightning_zeromoe.planner.plan import Plan, Recommendation, choose_stage, plan
+from lightning_zeromoe.planner.reports import mixtral_report, seed_estimate
 from lightning_zeromoe.planner.step_time import Hardware, Link, StepTime, predict_step_time
 from lightning_zeromoe.planner.setups import GB, GIB, LADDER, Setup, normalize_precision
 

@@ -24,7 +24,8 @@ from typing import Any
 
 from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import GatherUnit, ParamCounts, count_params, gather_units, is_expert_param
-from lightning_zeromoe.planner.plan import Plan, mixtral_report, plan
+from lightning_zeromoe.planner.plan import Plan, plan
+from lightning_zeromoe.planner.reports import mixtral_report
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
 from lightning_zeromoe.planner.step_time import EXPERT_LOOPS, format_seconds
 
