@@ -10,7 +10,7 @@ after the strategy's gradient audit), over a baseline taken before the engine is
 the planner (``lightning_zeromoe.planner.working_set``) predicts the same figures from DeepSpeed's
 rules. Prints one row per case and rank set, then the planner's per-term breakdown.
 
-    python benchmarks/peak_memory.py                    # worlds 2 and 4, ~10 min on 2 busy cores
+    python benchmarks/peak_memory.py                    # worlds 2 and 4: 3 min 30 s on 2 idle cores
     python benchmarks/peak_memory.py --worlds 2 --cases 3:1,1:2
 """
 

@@ -33,14 +33,15 @@ Pure package: no torch, DeepSpeed or Lightning import at module level (a model, 
 iterated with ``named_parameters()``), so ``python -m lightning_zeromoe.planner`` is instant.
 
 Where things are: :mod:`.setups` (precisions, the stage x offload ladder), :mod:`.counts` (dense vs
-expert parameters), :mod:`.memory` (per-rank model states, activations), :mod:`.plan` (the table,
+expert parameters), :mod:`.memory` (per-rank model states), :mod:`.activations` (what the forward keeps for backward), :mod:`.plan` (the table,
 the recommendation, ``stage="auto"``, ``ep_size="auto"``), :mod:`.comm` (bytes per step by collective
 and group), :mod:`.step_time` (predicted seconds per step, by which the recommendation chooses), and
 :mod:`.cli` (``python -m lightning_zeromoe.planner``, also from a Hugging Face config).
 """
 
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
-from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, estimate_activations
+from lightning_zeromoe.planner.activations import ActivationEstimate, estimate_activations
+from lightning_zeromoe.planner.memory import StateEstimate
 from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
 from lightning_zeromoe.planner.plan import Plan, Recommendation, choose_stage, plan
 from lightning_zeromoe.planner.reports import mixtral_report, seed_estimate

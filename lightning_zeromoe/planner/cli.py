@@ -23,17 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning_zeromoe.knowledge import say
-from lightning_zeromoe.planner.counts import GatherUnit, ParamCounts, count_params, gather_units, is_expert_param
+from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, GatherUnit, ParamCounts,
+                                             count_params, gather_units, has_qk_norm, is_expert_param)
 from lightning_zeromoe.planner.plan import Plan, plan
 from lightning_zeromoe.planner.reports import mixtral_report
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
 from lightning_zeromoe.planner.step_time import EXPERT_LOOPS, format_seconds
 
-#: Config attributes that name the number of routed experts / experts per token, by model family.
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
-#: Per-expert FFN width: MoE configs that also carry a dense ``intermediate_size`` name it first.
-EXPERT_FFN_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
 
 
 ENTRY = "planner-hf-config"
@@ -66,6 +62,9 @@ class ModelFacts:
     #: where each MoE block is one leaf module, and with expert parallelism: for the modelled peak.
     units_leaf: tuple[GatherUnit, ...] = ()
     units_ep: tuple[GatherUnit, ...] = ()
+    #: Key/value heads (grouped-query attention) and per-head q/k norms: the attention's activations.
+    num_kv_heads: int = 0
+    qk_norm: bool = False
 
     def units(self, ep_size: int) -> tuple[GatherUnit, ...]:
         return self.units_leaf if ep_size == 1 else self.units_ep
@@ -132,7 +131,9 @@ def model_facts(config: Any) -> ModelFacts:
                       head_dim=getattr(text, "head_dim", None) or first(("hidden_size", "d_model"))
                       // first(("num_attention_heads",)),
                       units_leaf=gather_units(model, lambda name, module: hasattr(module, "experts")),
-                      units_ep=gather_units(model))
+                      units_ep=gather_units(model),
+                      num_kv_heads=getattr(text, "num_key_value_heads", None) or first(("num_attention_heads",)),
+                      qk_norm=has_qk_norm(model))
 
 
 def _transformers_version() -> str:
@@ -187,7 +188,8 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
                  num_layers=facts.num_layers, num_heads=facts.num_heads, ffn_hidden_size=facts.expert_ffn,
                  top_k=facts.top_k, vocab_size=facts.vocab_size, num_experts=facts.num_experts,
                  activation_checkpointing=args.activation_checkpointing, bucket_elements=args.bucket_size,
-                 units=facts.units(ep))
+                 units=facts.units(ep), num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
+                 qk_norm=facts.qk_norm, expert_loop=args.expert_loop)
         for setup in LADDER:
             shape = CommShape(counts=facts.counts, stage=setup.stage, world=args.gpus, ep_size=ep,
                               precision=args.precision, top_k=facts.top_k, hidden_size=facts.hidden_size,

@@ -30,6 +30,22 @@ class ParamCounts:
         return self.dense_total + self.expert_total
 
 
+#: Config attributes that name the number of routed experts / experts per token, by model family.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+#: Per-expert FFN width: MoE configs that also carry a dense ``intermediate_size`` name it first.
+EXPERT_FFN_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size", "ffn_hidden_size")
+
+#: Module names of per-head query/key norms (Qwen3, OLMoE, GLM-4 MoE with ``use_qk_norm``).
+QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+def has_qk_norm(model: Any) -> bool:
+    """Whether ``model``'s attention normalises queries and keys (for the activation estimate)."""
+    return hasattr(model, "named_modules") and any(name.rpartition(".")[2] in QK_NORM_NAMES
+                                                   for name, _ in model.named_modules())
+
+
 def is_expert_param(name: str) -> bool:
     """Routed-expert weights: a path component named ``experts`` (ours, Hugging Face Mixtral /
     Qwen-MoE / DeepSeek, AutoEP's replacement). ``shared_experts`` are dense: every rank runs them."""

@@ -1,11 +1,11 @@
-"""Per-rank model states (ZeRO's partitioning, DeepSpeed's rounding) and activation estimates."""
+"""Per-rank model states (ZeRO's partitioning, DeepSpeed's rounding); activations are in :mod:`.activations`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable
 
-from lightning_zeromoe.planner.setups import Setup, _PRECISION_BYTES, _STAGE12_ALIGNMENT, normalize_precision
+from lightning_zeromoe.planner.setups import Setup, _PRECISION_BYTES, _STAGE12_ALIGNMENT
 from lightning_zeromoe.planner.counts import ParamCounts
 
 
@@ -94,51 +94,3 @@ def _states(counts: ParamCounts, setup: Setup, world: int, ep_size: int, precisi
             sums[key] += value
         split.append(w + gr + ms + op)
     return StateEstimate(setup=setup, dense=split[0], expert=split[1], **sums)
-
-
-# ---------------------------------------------------------------------------------------- activations
-
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Activation bytes one GPU keeps for backward, for one micro-batch. An *estimate*.
-
-    Per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-    Models", eq. 1, 16-bit activations, no tensor/sequence parallelism): ``s*b*h*(34 + 5*a*s/h)``
-    bytes, of which ``19*s*b*h`` is the 4h-GeLU MLP and ``5*a*s^2*b`` the attention scores. Here
-    the attention part keeps ``s*b*h*15`` (+ the score term unless ``flash_attention``, which does
-    not store the scores), and the MLP part is replaced by a top-k SwiGLU MoE's:
-    ``k*s*b*(2*h + 8*f)`` (each routed copy saves its input and the gate, up, silu and product
-    tensors of width f). The loss adds ``s*b*V*4`` (fp32 logits). With activation checkpointing a
-    layer keeps only its input (``2*s*b*h``) and one layer's full activations are live at a time.
-    fp32 activations double everything. All-to-all buffers and allocator fragmentation are not
-    included: that is what the plan's headroom is for.
-    """
-
-    per_layer: float
-    logits: float
-    total: float
-    formula: str
-    #: What each layer keeps between its forward and its backward: ``per_layer``, or with
-    #: activation checkpointing its input only (the rest is recomputed during its backward).
-    kept_per_layer: float | None = None
-
-
-def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, num_layers: int,
-                         num_heads: int, ffn_hidden_size: int, top_k: int, vocab_size: int,
-                         precision: str = "bf16", flash_attention: bool = True,
-                         activation_checkpointing: bool = False) -> ActivationEstimate:
-    s, b, h, a, f, k = seq_len, micro_batch, hidden_size, num_heads, ffn_hidden_size, top_k
-    scale = 2.0 if normalize_precision(precision) == "fp32" else 1.0
-    attention = s * b * h * 15 + (0 if flash_attention else 5 * a * s * s * b)
-    moe = k * s * b * (2 * h + 8 * f)
-    per_layer = scale * (attention + moe)
-    logits = 4.0 * s * b * vocab_size
-    if activation_checkpointing:
-        kept = scale * 2 * s * b * h
-        total = kept * num_layers + per_layer + logits
-        formula = "L*2sbh (checkpointed inputs) + one layer's activations + 4sbV"
-    else:
-        kept = per_layer
-        total = per_layer * num_layers + logits
-        formula = "L*(15sbh" + ("" if flash_attention else " + 5as^2b") + " + k*sb(2h+8f)) + 4sbV"
-    return ActivationEstimate(per_layer=per_layer, logits=logits, total=total, formula=formula, kept_per_layer=kept)

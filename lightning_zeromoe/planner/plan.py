@@ -9,9 +9,11 @@ from typing import Any, Callable
 
 from lightning_zeromoe import knowledge
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES, normalize_precision
-from lightning_zeromoe.planner.counts import ParamCounts, count_params, is_expert_param
-from lightning_zeromoe.planner.memory import ActivationEstimate, StateEstimate, _states, estimate_activations
-from lightning_zeromoe.planner.step_time import Hardware, StepTime, format_seconds
+from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, ParamCounts, count_params,
+                                             has_qk_norm, is_expert_param)
+from lightning_zeromoe.planner.activations import ActivationEstimate, estimate_activations
+from lightning_zeromoe.planner.memory import StateEstimate, _states
+from lightning_zeromoe.planner.step_time import Hardware, StepTime, autoep_loop, expert_loop_of, format_seconds
 from lightning_zeromoe.planner.counts import GatherUnit, gather_units
 from lightning_zeromoe.planner.working_set import PeakEstimate, ZeroBuffers, estimate_peak
 
@@ -213,10 +215,10 @@ def _step_times(model: Any, counts: ParamCounts, *, world: int, gpus_per_node: i
                 top_k: int | None, hidden_size: int | None, num_layers: int | None, num_heads: int | None,
                 num_experts: int | None, micro_batch: int | None, seq_len: int | None, accumulation: int,
                 bucket_elements: int, activation_checkpointing: bool, hardware: Hardware,
-                moe_layers: int | None, is_expert: Callable[[str], bool]) -> dict[Setup, StepTime]:
+                moe_layers: int | None, is_expert: Callable[[str], bool], expert_loop: str) -> dict[Setup, StepTime]:
     """Predicted step time of every ladder setup (compute only when micro_batch and seq_len are given)."""
     from lightning_zeromoe.planner.comm import CommShape
-    from lightning_zeromoe.planner.step_time import ModelShape, autoep_loop, expert_loop_of, setup_step_time
+    from lightning_zeromoe.planner.step_time import ModelShape, autoep_loop, setup_step_time
 
     cfg = getattr(model, "config", None)
 
@@ -239,7 +241,7 @@ def _step_times(model: Any, counts: ParamCounts, *, world: int, gpus_per_node: i
                       num_experts=num_experts or 0, tokens_per_micro_batch=tokens, accumulation=accumulation,
                       reduce_bucket_size=bucket_elements or 50_000_000, allgather_bucket_size=bucket_elements or 50_000_000,
                       activation_checkpointing=activation_checkpointing, param_order=order)
-    shapes = ModelShape(attention_layers=layers, seq_len=seq_len or 0, expert_loop=expert_loop_of(model),
+    shapes = ModelShape(attention_layers=layers, seq_len=seq_len or 0, expert_loop=expert_loop,
                         autoep_expert_loop=autoep_loop(precision))
     del num_heads  # attention width = hidden size (heads x head size) for the models planned here
     return {s: setup_step_time(shape, s, hardware, model=shapes, gpus_per_node=gpus_per_node) for s in LADDER}
@@ -256,7 +258,8 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          host_memory_bytes: float | None = None, counts: ParamCounts | None = None,
          is_expert: Callable[[str], bool] = is_expert_param, hardware: Hardware | None = None,
          accumulation: int = 1, moe_layers: int | None = None, zero_config: dict[str, Any] | None = None,
-         units: tuple[GatherUnit, ...] | None = None) -> Plan:
+         units: tuple[GatherUnit, ...] | None = None, num_kv_heads: int | None = None,
+         head_dim: int | None = None, qk_norm: bool | None = None, expert_loop: str | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -268,7 +271,10 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
     whether yours is more aggressive than needed, or does not fit. ``headroom`` is the fraction of
     device memory kept free. ``hardware`` (default: H100/H200-class, :class:`Hardware`),
     ``accumulation`` and ``moe_layers`` feed the predicted step time of every setup
-    (:attr:`Plan.step_times`), by which :meth:`Plan.recommend` chooses.
+    (:attr:`Plan.step_times`), by which :meth:`Plan.recommend` chooses. ``num_kv_heads``, ``head_dim``
+    and ``qk_norm`` shape the attention's activations (read from the model when not given);
+    ``expert_loop`` is how the model's own blocks run their experts (default: read from the model,
+    :func:`~lightning_zeromoe.planner.step_time.expert_loop_of`).
     """
     precision = normalize_precision(precision)
     if counts is None:
@@ -283,7 +289,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
         raise ValueError(f"ep_size={ep_size} must divide num_gpus={num_gpus}")
     if num_experts is None and model is not None:
         cfg = getattr(model, "config", None)
-        num_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+        num_experts = next((getattr(cfg, key) for key in EXPERT_KEYS if isinstance(getattr(cfg, key, None), int)), None)
     if num_experts and num_experts % ep_size:
         raise ValueError(f"ep_size={ep_size} must divide the number of experts ({num_experts})")
     notes = []
@@ -302,6 +308,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
                              f"offload_parameters={want[2]} (offload_parameters needs stage 3; the planner models "
                              "optimizer offload with stages 2 and 3)")
 
+    expert_loop = expert_loop or expert_loop_of(model)
     activations = None
     if micro_batch and seq_len:
         cfg = getattr(model, "config", None)
@@ -318,10 +325,13 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             micro_batch=micro_batch, seq_len=seq_len, hidden_size=pick(hidden_size, "hidden_size"),
             num_layers=pick(num_layers, "num_hidden_layers", "num_layers"),
             num_heads=pick(num_heads, "num_attention_heads", "num_heads"),
-            ffn_hidden_size=pick(ffn_hidden_size, "intermediate_size", "moe_intermediate_size", "ffn_hidden_size"),
-            top_k=pick(top_k, "num_experts_per_tok", "top_k"), vocab_size=pick(vocab_size, "vocab_size"),
-            precision=precision, flash_attention=flash_attention,
-            activation_checkpointing=activation_checkpointing)
+            ffn_hidden_size=pick(ffn_hidden_size, *EXPERT_FFN_KEYS), top_k=pick(top_k, *TOP_K_KEYS),
+            vocab_size=pick(vocab_size, "vocab_size"), precision=precision, flash_attention=flash_attention,
+            activation_checkpointing=activation_checkpointing,
+            num_kv_heads=num_kv_heads or getattr(cfg, "num_key_value_heads", None),
+            head_dim=head_dim or getattr(cfg, "head_dim", None),
+            qk_norm=has_qk_norm(model) if qk_norm is None else qk_norm, num_experts=num_experts or 0,
+            ep_size=ep_size, expert_loop=expert_loop if ep_size == 1 else autoep_loop(precision))
     units = tuple(units or ())
     if not units and model is not None and hasattr(model, "named_modules"):
         # At ep_size=1 the strategy registers each MoE block (a module with an ``experts`` child) as a leaf.
@@ -336,7 +346,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
                         num_heads=num_heads, num_experts=num_experts, micro_batch=micro_batch, seq_len=seq_len,
                         accumulation=accumulation, bucket_elements=bucket_elements,
                         activation_checkpointing=activation_checkpointing, hardware=hardware or Hardware(),
-                        moe_layers=moe_layers, is_expert=is_expert)
+                        moe_layers=moe_layers, is_expert=is_expert, expert_loop=expert_loop)
     return Plan(counts=counts, num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=gpu_memory_bytes,
                 precision=precision, ep_size=ep_size, optimizer_bytes=optimizer_bytes, estimates=estimates,
                 activations=activations, buffer_bytes=float(buffers), headroom=headroom,

@@ -201,8 +201,11 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
     local = [u.local(ep_size) for u in units]
     thr = buffers.param_persistence_threshold if stage == 3 else -1
     persistent = [[n for n in sizes if n <= thr] for sizes in local]
-    gatherable = [sum(n for n, e in zip(sizes, u.expert) if n > thr and group(e) > 1)
-                  for sizes, u in zip(local, units)]
+    # Tensors ZeRO-3 gathers: over the persistence threshold, partitioned over a group of 2+ ranks.
+    # Stages 1/2 keep every parameter whole and gather nothing.
+    gathers = [[(n, e) for n, e in zip(sizes, u.expert) if stage == 3 and n > thr and group(e) > 1]
+               for sizes, u in zip(local, units)]
+    gatherable = [sum(n for n, _ in g_) for g_ in gathers]
 
     held: list[Term] = [Term("parameters" + (" (partitions)" if stage == 3 else ""), st.params, st.params,
                              "stage3.py / stage_1_and_2.py: flat parameter groups"),
@@ -239,19 +242,25 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             retained[i] = 2 * after < buffers.max_reuse_distance
             after += gatherable[i]
 
-    # written by the end of the backward besides the bucket: stage 2's partition
-    # (stage_1_and_2.py::copy_grads_in_partition); stage 1's gradients beyond the bucket
-    part2 = st.grads if stage == 2 else max(0.0, st.grads - g * sum(fill)) if stage == 1 else 0.0
+    # Written by the end of the backward besides the bucket: the rank's gradient partition, which
+    # stage_1_and_2.py::reduce_ipg_grads copies out of the bucket (copy_grads_in_partition) in stage 2
+    # and, with contiguous_gradients, in stage 1 too (its "zero stage 1" branch); for stage 1 with a
+    # model larger than the buckets, its gradients beyond the bucket if that is more.
+    partition = (st.master / 4) * g if st.master else 0.0
+    if stage == 2:
+        part2 = st.grads
+    elif stage == 1:
+        part2 = max(partition if buffers.contiguous_gradients else 0.0, st.grads - g * sum(fill))
+    else:
+        part2 = 0.0
 
     # Gathered expert tensors are indexed per expert (fused 3-D layout: Hugging Face Mixtral, ours,
     # AutoEP's CPU loop); autograd saves those views, which keep the gathered storage alive after
     # partition_parameters.py::free_param swaps ``param.data`` out, until that module's backward.
-    viewed = [p * sum(n for n, e in zip(sizes, u.expert) if e and n > thr and group(e) > 1)
-              for sizes, u in zip(local, units)]
+    viewed = [p * sum(n for n, e in g_ if e) for g_ in gathers]
     # partition_parameters.py::_all_gather_dtype gathers 2+ tensors into one flat buffer and
     # AllGatherCoalescedHandle.wait copies each parameter out of it (torch.cat): 2x until the handle goes.
-    coalesced = [sum(1 for n, e in zip(sizes, u.expert) if n > thr and group(e) > 1) > 1
-                 for sizes, u in zip(local, units)]
+    coalesced = [len(g_) > 1 for g_ in gathers]
 
     ckpt = activation_kept_per_layer is not None
     kept_act = activation_kept_per_layer if ckpt else activation_per_layer
@@ -313,11 +322,14 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
         # Held from the first backward on (written during it): the bucket's filled part, stage 2's
         # gradient partition, stage 3's persistent parameters (gathered at first use, never released).
         kept = [Term(bucket.name, 0.0, bucket.resident, bucket.rule)]
-        if stage == 1 and part2:
+        if stage == 1 and part2 > partition:
             # a model larger than the buckets: stage 1 keeps every reduced gradient until step()
             # (the states' full gradients; measured between the stage-2 partition and this figure)
             kept.append(Term("gradients beyond the bucket", part2, part2,
                              "stage_1_and_2.py (partition_gradients=False): gradients kept until step()"))
+        elif stage == 1 and part2:
+            kept.append(Term("gradient partition", part2, part2,
+                             "stage_1_and_2.py::reduce_ipg_grads (zero stage 1) copy_grads_in_partition"))
         if stage == 2:
             kept.append(Term("gradient partition", st.grads, st.grads,
                              "stage_1_and_2.py::copy_grads_in_partition grads_in_partition (first backward)"))

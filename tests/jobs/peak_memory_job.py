@@ -258,7 +258,8 @@ def predict(stage: int, ep_size: int, world: int):
     act = estimate_activations(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, hidden_size=MODEL["hidden_size"],
                                num_layers=MODEL["num_layers"], num_heads=MODEL["num_heads"],
                                ffn_hidden_size=MODEL["ffn_hidden_size"], top_k=MODEL["top_k"],
-                               vocab_size=MODEL["vocab_size"], precision="fp32")
+                               vocab_size=MODEL["vocab_size"], precision="fp32", num_experts=MODEL["num_experts"],
+                               ep_size=ep_size, expert_loop="slices")  # the reference block loops over fused slices
     return estimate_peak(gather_units(model, leaf), Setup(0, stage), world=world, ep_size=ep_size, precision="fp32",
                          buffers=ZeroBuffers.from_config(zero_section(ZeroOptions(stage=stage, ep_size=ep_size))),
                          activation_per_layer=act.per_layer, activation_logits=act.logits,

@@ -1,0 +1,154 @@
+"""The activation estimate (``lightning_zeromoe.planner.activations``): its terms by hand, and the
+whole estimate against what autograd really saves for backward in one forward of real models
+(Hugging Face Mixtral, Qwen3-MoE and OLMoE with transformers' eager and grouped-GEMM experts, in fp32
+and bf16; the reference model; DeepSpeed AutoEP's layer in the blocks' place). No processes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_zeromoe.planner.activations import AUTOEP_ROW_ALIGNMENT, estimate_activations, expert_bytes
+
+TOLERANCE = 0.05
+BATCH, SEQ, VOCAB = 2, 64, 512
+
+
+def saved_bytes(model: torch.nn.Module, run) -> int:
+    """Bytes of the tensors autograd saves during ``run()``, each storage once, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def test_terms_by_hand():
+    t, h, f, k, e = 8 * 16, 64, 96, 2, 8
+    est = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4, num_kv_heads=2,
+                               head_dim=32, ffn_hidden_size=f, top_k=k, vocab_size=100, precision="bf16",
+                               num_experts=e, qk_norm=True)
+    h_q, h_kv = 4 * 32, 2 * 32
+    assert est.layer.attention == 2 * t * (h + 2 * h_q + 2 * h_kv) + 6 * t * (h_q + h_kv)
+    assert est.layer.norms == 2 * 6 * t * h  # fp32 input + bf16 normalised, two norms
+    assert est.layer.router == 2 * t * h + 4 * t * e
+    assert est.layer.experts == 2 * k * t * (2 * h + 4 * f)  # grouped GEMMs
+    assert est.total == 3 * est.per_layer + 4 * t * 100 + 8 * t * h
+    fp32_loop = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4,
+                                     ffn_hidden_size=f, top_k=k, vocab_size=100, precision="fp32",
+                                     expert_loop="slices")
+    assert fp32_loop.layer.experts == 4 * k * t * (3 * h + 4 * f)
+    autoep = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4,
+                                  ffn_hidden_size=f, top_k=k, vocab_size=100, num_experts=e, ep_size=2)
+    assert autoep.layer.experts == 2 * ((k * t + 8 * e // 2) * (h + 4 * f) + k * t * h)
+    ckpt = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4,
+                                ffn_hidden_size=f, top_k=k, vocab_size=100, activation_checkpointing=True)
+    assert ckpt.kept_per_layer == 2 * t * h and ckpt.total == 3 * 2 * t * h + ckpt.per_layer + ckpt.logits
+    with pytest.raises(ValueError, match="expected one of"):
+        expert_bytes(tokens=1, hidden_size=1, ffn_hidden_size=1, top_k=1, act_bytes=2, impl="fused")
+
+
+def test_autoep_row_alignment_is_deepspeeds():
+    from deepspeed.moe.ep_kernels import TOKEN_GROUP_ALIGN_SIZE_M
+
+    assert AUTOEP_ROW_ALIGNMENT == TOKEN_GROUP_ALIGN_SIZE_M
+
+
+#: (model_type, experts_implementation, dtype, hidden, expert ffn, experts, top_k, heads, kv heads)
+HF_CASES = [("mixtral", "eager", torch.float32, 128, 256, 8, 2, 4, 2),
+            ("mixtral", "grouped_mm", torch.bfloat16, 256, 128, 16, 4, 8, 8),
+            ("qwen3_moe", "grouped_mm", torch.bfloat16, 128, 256, 8, 2, 4, 2),
+            ("olmoe", "eager", torch.float32, 128, 512, 4, 1, 4, 4)]
+
+
+def _hf_model(model_type, impl, dtype, h, f, e, k, heads, kv):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(hidden_size=h, intermediate_size=f, moe_intermediate_size=f, num_local_experts=e, num_experts=e,
+                  num_experts_per_tok=k, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv,
+                  head_dim=h // heads, vocab_size=VOCAB, decoder_sparse_step=1, mlp_only_layers=[],
+                  norm_topk_prob=True, max_position_embeddings=256)
+    base = AutoConfig.for_model(model_type)
+    if hasattr(base, "moe_intermediate_size"):  # a dense MLP width beside the experts': not theirs
+        values["intermediate_size"] = 3 * f
+    config = AutoConfig.for_model(model_type, **{key: v for key, v in values.items() if hasattr(base, key)})
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                experts_implementation=impl).to(dtype)
+
+
+def _estimate(model, dtype, num_gpus=1, **kw):
+    from lightning_zeromoe.planner import GB, plan
+
+    return plan(model, num_gpus=num_gpus, gpu_memory_bytes=GB, precision="fp32" if dtype == torch.float32 else "bf16",
+                micro_batch=BATCH, seq_len=SEQ, **kw).activations
+
+
+@pytest.mark.parametrize("case", HF_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+def test_estimate_matches_what_hugging_face_models_save(case):
+    """``plan(model, micro_batch, seq_len)`` reads the shapes, GQA, q/k norms, the experts' own FFN
+    width (``moe_intermediate_size`` over a dense ``intermediate_size``) and how the experts run
+    (transformers' ``experts_implementation``) from the model itself."""
+    model = _hf_model(*case)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    actual = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    est = _estimate(model, case[2])
+    assert abs(est.total / actual - 1) < TOLERANCE, (case, est.total, actual, est.layer)
+
+
+def test_estimate_matches_what_the_reference_model_saves():
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, lm_losses
+
+    for h, f, k, e in [(256, 512, 2, 8), (64, 96, 1, 4)]:
+        torch.manual_seed(0)
+        model = TinyMoELM(TinyMoEConfig(vocab_size=VOCAB, hidden_size=h, ffn_hidden_size=f, top_k=k, num_experts=e,
+                                        max_seq_len=SEQ + 1, num_layers=2))
+        actual = saved_bytes(model, lambda: lm_losses(model, torch.randint(0, VOCAB, (BATCH, SEQ + 1))))
+        # the reference block loops over slices of its fused experts (expert_loop_of cannot tell)
+        est = _estimate(model, torch.float32, expert_loop="slices")
+        assert abs(est.total / actual - 1) < TOLERANCE, (h, f, k, e, est.total, actual, est.layer)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_estimate_matches_what_autoeps_layer_saves(grouped):
+    """Each Mixtral block replaced by the ``AutoEPMoELayer`` the strategy's section builds, all
+    experts local (the layer AutoEP builds on one rank of an ``ep_size`` group holds ``E / ep_size``):
+    the estimate at ``ep_size=2`` with twice the experts pads the same rows."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    from lightning_zeromoe.conversion.check import _Holder, _section_for_probe
+    from lightning_zeromoe.discovery.find import discover
+
+    model = _hf_model("mixtral", "eager", torch.float32, 128, 256, 8, 2, 4, 2)
+    found = discover(model, None)
+    for block in found.blocks:
+        section = dict(_section_for_probe(found), use_grouped_mm=grouped)
+        config = parse_autoep_config(section)
+        source = model.get_submodule(block.path)
+        spec = AutoEP(_Holder(source, found.root_config), config).ep_parser()[0]
+        layer = AutoEPMoELayer(spec=spec, source_module=source, ep_size=1, ep_rank=0, config=config)
+        for key in ("use_grouped_mm", "use_triton_grouped_mm"):
+            if hasattr(layer.experts, key) and not grouped:
+                setattr(layer.experts, key, False)
+        parent, _, child = block.path.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    actual = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    est = estimate_activations(micro_batch=BATCH, seq_len=SEQ, hidden_size=128, num_layers=2, num_heads=4,
+                               num_kv_heads=2, ffn_hidden_size=256, top_k=2, vocab_size=VOCAB, precision="fp32",
+                               num_experts=16, ep_size=2,  # 8 local experts, as built
+                               expert_loop="grouped" if grouped else "slices")
+    assert abs(est.total / actual - 1) < TOLERANCE, (grouped, est.total, actual, est.layer)
