@@ -191,20 +191,21 @@ CASES_2 = [(3, 1), (2, 2)]
 CASES_4 = [(3, 2)]
 
 
+def _measure(tmp_path_factory, world: int, cases: list[tuple[int, int]]) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"peak{world}")
+    run_job("peak_memory_job.py", "--out", str(out), "--world", str(world),
+            "--cases", ",".join(f"{s}:{e}" for s, e in cases), timeout=900)
+    return read_ranks(out, world)
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    out = tmp_path_factory.mktemp("peak")
-    run_job("peak_memory_job.py", "--out", str(out), "--world", "2",
-            "--cases", ",".join(f"{s}:{e}" for s, e in CASES_2), timeout=900)
-    return read_ranks(out, 2)
+    return _measure(tmp_path_factory, 2, CASES_2)
 
 
 @pytest.fixture(scope="module")
 def measured_4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("peak4")
-    run_job("peak_memory_job.py", "--out", str(out), "--world", "4",
-            "--cases", ",".join(f"{s}:{e}" for s, e in CASES_4), timeout=900)
-    return read_ranks(out, 4)
+    return _measure(tmp_path_factory, 4, CASES_4)
 
 
 def test_predicted_peak_within_10_percent_of_measured(measured):

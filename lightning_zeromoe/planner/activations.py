@@ -22,10 +22,12 @@ experts per token, ``E`` routed experts, ``V`` the vocabulary. Per decoder layer
   ``a*k*T*(2h + 4f)`` for grouped GEMMs over fused tensors (transformers' ``grouped_mm``). A loop
   over experts (transformers' ``eager``, a ``ModuleList``) also keeps each expert's weighted output
   for the index-add: ``a*k*T*(3h + 4f)``. AutoEP's layer (``ep_size > 1``) pads each local expert's
-  rows to a multiple of 8 (``TOKEN_GROUP_ALIGN_SIZE_M`` in ``deepspeed/moe/ep_kernels``), so
-  ``R = k*T + 8*E/ep_size`` rows of ``h + 4f``, and keeps the combined ``[T, k, h]`` output for the
-  routing weights: ``a*(R*(h + 4f) + k*T*h)``. Balanced routing is assumed: a rank whose experts
-  draw more tokens than ``k*T`` keeps proportionally more.
+  rows to a multiple of 8 (``TOKEN_GROUP_ALIGN_SIZE_M`` in ``deepspeed/moe/ep_kernels``): its permuted
+  tokens fill ``R = k*T + 8*E/ep_size`` rows of ``h``, its grouped GEMM computes all ``R`` rows
+  (``4f`` each) and its loop (fp32, CPU) each expert's rows rounded up, ``k*T + 3.5*E/ep_size`` on
+  average; it keeps the combined ``[T, k, h]`` output for the routing weights: ``a*(R*h + R'*4f +
+  k*T*h)``. Balanced routing is assumed: a rank whose experts draw more tokens than ``k*T`` keeps
+  proportionally more.
 
 Once per micro-batch (``logits``): the loss's fp32 log-softmax ``4*T*V``, the final norm and the
 LM head's input, ``(4 + 2a)*T*h``. With activation checkpointing a layer keeps its input (``a*T*h``)

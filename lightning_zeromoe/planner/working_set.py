@@ -246,7 +246,8 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
     # stage_1_and_2.py::reduce_ipg_grads copies out of the bucket (copy_grads_in_partition) in stage 2
     # and, with contiguous_gradients, in stage 1 too (its "zero stage 1" branch); for stage 1 with a
     # model larger than the buckets, its gradients beyond the bucket if that is more.
-    partition = (st.master / 4) * g if st.master else 0.0
+    shard = st.master / 4 if st.master else 0.0  # elements of the rank's fp32 master partition
+    partition = shard * g
     if stage == 2:
         part2 = st.grads
     elif stage == 1:
@@ -286,8 +287,7 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             # partitioned_param_coordinator.py::_fetch_sub_module_impl prefetches the next modules'
             # parameters in one coalesced gather of up to stage3_prefetch_bucket_size elements; its
             # buffer lives until the last of them is fetched, next to their copies.
-            largest = max((n for sizes, u in zip(local, units) for n, e in zip(sizes, u.expert)
-                            if n > thr and group(e) > 1), default=0)  # the loop adds whole parameters
+            largest = max((n for g_ in gathers for n, _ in g_), default=0)  # the loop adds whole parameters
             chunk = min(sum(gatherable[1:]), buffers.prefetch_bucket_size + largest, buffers.max_live_parameters)
             gathered = p * sum(n for n, keep in zip(gatherable, retained) if keep)
             points.append((gathered + p * chunk + kept_act * layers, "forward, prefetch buffer alive"))
@@ -355,7 +355,6 @@ def estimate_peak(units: tuple[GatherUnit, ...], setup: Setup, *, world: int, ep
             opt_now = [opt]
         # the bucket and stage 2's partition are in the walk; stage 3's persistent parameters are not
         bwd = [walk_term] + [t for t in kept if t is persist]
-        shard = st.master / 4 if st.master else 0.0
         flat_t = Term("flattened gradient partition", shard * g, shard * g,
                       "stage3.py::_prepare_fp32_grad_for_sub_group" if stage == 3
                       else "stage_1_and_2.py::step flatten(averaged_gradients)")
