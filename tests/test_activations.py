@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_zeromoe.planner.activations import AUTOEP_ROW_ALIGNMENT, estimate_activations, expert_bytes
+from lightning_zeromoe.planner.layers import LayerMix, layer_mix
 
 TOLERANCE = 0.05
 BATCH, SEQ, VOCAB = 2, 64, 512
@@ -53,6 +54,18 @@ def test_terms_by_hand():
     ckpt = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4,
                                 ffn_hidden_size=f, top_k=k, vocab_size=100, activation_checkpointing=True)
     assert ckpt.kept_per_layer == 2 * t * h and ckpt.total == 3 * 2 * t * h + ckpt.per_layer + ckpt.logits
+    mixed = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4,
+                                 ffn_hidden_size=f, top_k=k, vocab_size=100, num_experts=e, dense_layers=1,
+                                 dense_ffn=3 * f, shared_ffn=f // 2, shared_gate=True)
+    assert mixed.layer.mlp == 2 * t * 4 * (f // 2) + 2 * t * (h + 1)  # shared expert, its gate and output
+    assert mixed.dense_layer.mlp == 2 * t * (h + 4 * 3 * f) and not mixed.dense_layer.router + mixed.dense_layer.experts
+    assert mixed.total == 2 * mixed.layer.total + mixed.dense_layer.total + mixed.logits
+    assert mixed.per_layer * 3 == mixed.total - mixed.logits
+    mixed_ckpt = estimate_activations(micro_batch=8, seq_len=16, hidden_size=h, num_layers=3, num_heads=4,
+                                      ffn_hidden_size=f, top_k=k, vocab_size=100, num_experts=e, dense_layers=1,
+                                      dense_ffn=3 * f, activation_checkpointing=True)
+    assert mixed_ckpt.largest_layer == max(mixed_ckpt.layer.total, mixed_ckpt.dense_layer.total)
+    assert mixed_ckpt.total == 3 * 2 * t * h + mixed_ckpt.largest_layer + mixed_ckpt.logits
     with pytest.raises(ValueError, match="expected one of"):
         expert_bytes(tokens=1, hidden_size=1, ffn_hidden_size=1, top_k=1, act_bytes=2, impl="fused")
 
@@ -70,16 +83,17 @@ HF_CASES = [("mixtral", "eager", torch.float32, 128, 256, 8, 2, 4, 2),
             ("olmoe", "eager", torch.float32, 128, 512, 4, 1, 4, 4)]
 
 
-def _hf_model(model_type, impl, dtype, h, f, e, k, heads, kv):
+def _hf_model(model_type, impl, dtype, h, f, e, k, heads, kv, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     values = dict(hidden_size=h, intermediate_size=f, moe_intermediate_size=f, num_local_experts=e, num_experts=e,
-                  num_experts_per_tok=k, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv,
-                  head_dim=h // heads, vocab_size=VOCAB, decoder_sparse_step=1, mlp_only_layers=[],
-                  norm_topk_prob=True, max_position_embeddings=256)
+                  n_routed_experts=e, num_experts_per_tok=k, num_hidden_layers=2, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=h // heads, vocab_size=VOCAB, decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=256)
     base = AutoConfig.for_model(model_type)
     if hasattr(base, "moe_intermediate_size"):  # a dense MLP width beside the experts': not theirs
         values["intermediate_size"] = 3 * f
+    values.update(extra)
     config = AutoConfig.for_model(model_type, **{key: v for key, v in values.items() if hasattr(base, key)})
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -105,6 +119,51 @@ def test_estimate_matches_what_hugging_face_models_save(case):
     actual = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
     est = _estimate(model, case[2])
     assert abs(est.total / actual - 1) < TOLERANCE, (case, est.total, actual, est.layer)
+
+
+#: Shared experts beside the routed ones and a dense first layer: Qwen2-MoE's gated shared expert
+#: (``mlp_only_layers``), GLM-4 MoE's two shared experts (``first_k_dense_replace``). GLM-4 MoE's
+#: router upcasts its input to fp32, which bf16 runs keep too (not modelled): fp32 only.
+MIX_CASES = [("qwen2_moe", torch.bfloat16, dict(shared_expert_intermediate_size=192, mlp_only_layers=[0]),
+              LayerMix(moe_layers=1, dense_layers=1, dense_ffn=768, shared_ffn=192, shared_gate=True)),
+             ("qwen2_moe", torch.float32, dict(shared_expert_intermediate_size=192),
+              LayerMix(moe_layers=2, shared_ffn=192, shared_gate=True)),
+             ("glm4_moe", torch.float32, dict(n_shared_experts=2, first_k_dense_replace=1),
+              LayerMix(moe_layers=1, dense_layers=1, dense_ffn=768, shared_ffn=512))]
+
+
+@pytest.mark.parametrize("case", MIX_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{c[3].dense_layers}dense")
+def test_dense_layers_and_shared_experts_are_read_from_the_model_and_counted(case):
+    """``plan(model)`` reads the :class:`LayerMix` off the modules (not config keys, which differ by
+    family); without it the same estimate misses what the shared experts and the dense MLP keep."""
+    model_type, dtype, extra, mix = case
+    model = _hf_model(model_type, "grouped_mm", dtype, 128, 256, 8, 2, 4, 2, **extra)
+    assert layer_mix(model, 128, 2) == mix
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    actual = saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+    est = _estimate(model, dtype)
+    assert abs(est.total / actual - 1) < TOLERANCE, (case, est.total, actual, est.layer, est.dense_layer)
+    blind = _estimate(model, dtype, mix=LayerMix(moe_layers=2))  # every layer a MoE layer, nothing shared
+    assert abs(blind.total / actual - 1) > TOLERANCE, (case, blind.total, actual)
+
+
+def test_layer_mix_of_models_without_dense_layers_or_shared_experts():
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
+
+    model = _hf_model("mixtral", "eager", torch.float32, 128, 256, 8, 2, 4, 2)
+    assert layer_mix(model, 128, 2) == LayerMix(moe_layers=2)
+    tiny = TinyMoELM(TinyMoEConfig(vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=96, num_layers=3))
+    assert layer_mix(tiny, 64, 3) == LayerMix(moe_layers=3)
+    assert layer_mix(torch.nn.Linear(4, 4), 4, 1) is None  # no MoE block: plan() assumes every layer is one
+
+
+def test_layer_mix_under_peft_lora_is_the_base_models():
+    peft = pytest.importorskip("peft")
+    model_type, dtype, extra, mix = MIX_CASES[0]
+    model = _hf_model(model_type, "grouped_mm", dtype, 128, 256, 8, 2, 4, 2, **extra)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["shared_expert_gate", "gate_proj", "up_proj",
+                                                                          "down_proj", "q_proj"]))
+    assert layer_mix(lora, 128, 2) == mix
 
 
 def test_estimate_matches_what_the_reference_model_saves():

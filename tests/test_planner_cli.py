@@ -82,6 +82,33 @@ def test_expert_loop_slows_only_the_unconverted_blocks(capsys):
             assert sliced[ep, zero] == seconds, (ep, zero, seconds, sliced[ep, zero])
 
 
+def test_dense_layers_and_shared_experts_are_named_and_run_no_all_to_all(tmp_path, capsys):
+    # Qwen2-MoE with a gated shared expert; with mlp_only_layers=[0] its first layer is dense: the
+    # header says so, and the all-to-all (per MoE layer) shrinks to 3/4. In this process, as above.
+    import transformers
+
+    from lightning_zeromoe.planner.cli import main
+
+    def run(**extra) -> tuple[str, float]:
+        config = transformers.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48, **extra)
+        with pytest.raises(SystemExit) as done:
+            main(["--config", write_config(tmp_path / "config.json", config), "--gpus", "2", "--ep-size", "2",
+                  "--seq-len", "32768", "--micro-batch", "16"])  # an all-to-all of GBs: the table's 2 decimals
+        out = capsys.readouterr()
+        assert done.value.code == 0, out.err[-3000:]
+        a2a = re.search(r"^\| 2 \| ZeRO-1 \|(?: [^|]+ \|){5} ([\d.]+) \|", out.out, re.M)
+        return out.out.splitlines()[0], float(a2a.group(1))
+
+    header, all_moe = run()
+    assert "4 MoE layers, hidden 64, expert FFN 32, shared experts' FFN 48 (gated))" in header, header
+    header, one_dense = run(mlp_only_layers=[0])
+    assert "3 MoE layers, hidden 64, expert FFN 32, shared experts' FFN 48 (gated), 1 dense layer of FFN 96)" in header
+    assert all_moe > 0 and one_dense == pytest.approx(all_moe * 3 / 4, rel=0.02), (one_dense, all_moe)
+
+
 @pytest.mark.parametrize("case, entry", [
     ("dense", "planner-hf-config"), ("unknown", "planner-hf-config"), ("missing", "planner-hf-config"),
     ("ep", "ep-size-divisibility"),

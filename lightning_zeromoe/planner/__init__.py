@@ -41,6 +41,7 @@ and group), :mod:`.step_time` (predicted seconds per step, by which the recommen
 
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts
 from lightning_zeromoe.planner.activations import ActivationEstimate, estimate_activations
+from lightning_zeromoe.planner.layers import LayerMix, layer_mix
 from lightning_zeromoe.planner.memory import StateEstimate
 from lightning_zeromoe.planner.auto import choose_ep_size, choose_setup
 from lightning_zeromoe.planner.plan import Plan, Recommendation, choose_stage, plan
@@ -50,5 +51,5 @@ from lightning_zeromoe.planner.setups import GB, GIB, LADDER, Setup, normalize_p
 
 __all__ = ["GB", "GIB", "LADDER", "MIXTRAL_8X7B", "ActivationEstimate", "ParamCounts", "Plan", "Recommendation", "Setup",
            "StateEstimate", "choose_stage", "choose_ep_size", "choose_setup", "Hardware", "Link", "StepTime",
-           "predict_step_time", "count_params", "estimate_activations", "is_expert_param",
+           "predict_step_time", "count_params", "estimate_activations", "is_expert_param", "LayerMix", "layer_mix",
            "mixtral_report", "moe_transformer_counts", "normalize_precision", "plan", "seed_estimate"]

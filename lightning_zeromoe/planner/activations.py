@@ -29,13 +29,18 @@ experts per token, ``E`` routed experts, ``V`` the vocabulary. Per decoder layer
   k*T*h)``. Balanced routing is assumed: a rank whose experts draw more tokens than ``k*T`` keeps
   proportionally more.
 
+* **dense MLPs** (``mlp``): shared experts beside the routed ones (DeepSeek, GLM-4 MoE, Qwen2-MoE)
+  keep ``4f_s`` per token, their input being the router's; Qwen2-MoE's sigmoid gate on their output
+  adds the output and the gate, ``h + 1``. A dense layer (no experts: DeepSeek's first layers) keeps
+  its SwiGLU MLP's input and ``4f_d`` per token, and has no router.
+
 Once per micro-batch (``logits``): the loss's fp32 log-softmax ``4*T*V``, the final norm and the
 LM head's input, ``(4 + 2a)*T*h``. With activation checkpointing a layer keeps its input (``a*T*h``)
 and one layer's activations are live at a time, during its recompute.
 
 Not included: all-to-all buffers in flight, temporaries of a single op, and the allocator's caching:
-that is what the plan's headroom is for. Dense (non-MoE) layers are counted as MoE layers, and
-shared experts are not counted.
+that is what the plan's headroom is for. Multi-head latent attention (DeepSeek-V2/V3) is counted as
+the attention above with its heads' widths.
 """
 
 from __future__ import annotations
@@ -63,10 +68,12 @@ class LayerActivations:
     norms: float
     router: float
     experts: float
+    #: Shared experts in a MoE layer; a dense layer's whole MLP.
+    mlp: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.attention + self.norms + self.router + self.experts
+        return self.attention + self.norms + self.router + self.experts + self.mlp
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class ActivationEstimate:
     """Activation bytes one GPU keeps for backward, for one micro-batch. An *estimate*: each term is
     what the code saves (module docstring), with balanced routing."""
 
+    #: The mean over the decoder layers (MoE and dense).
     per_layer: float
     logits: float
     total: float
@@ -81,8 +89,16 @@ class ActivationEstimate:
     #: What each layer keeps between its forward and its backward: ``per_layer``, or with
     #: activation checkpointing its input only (the rest is recomputed during its backward).
     kept_per_layer: float | None = None
-    #: ``per_layer`` by part.
+    #: A MoE layer by part.
     layer: LayerActivations | None = None
+    #: A dense layer by part (None: every layer holds experts).
+    dense_layer: LayerActivations | None = None
+
+    @property
+    def largest_layer(self) -> float:
+        """The largest layer's bytes: what one layer's recompute holds under activation checkpointing."""
+        return max(self.layer.total if self.layer else self.per_layer,
+                   self.dense_layer.total if self.dense_layer else 0.0)
 
 
 def expert_bytes(*, tokens: int, hidden_size: int, ffn_hidden_size: int, top_k: int, act_bytes: int,
@@ -106,14 +122,17 @@ def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, nu
                          precision: str = "bf16", flash_attention: bool = True,
                          activation_checkpointing: bool = False, num_kv_heads: int | None = None,
                          head_dim: int | None = None, qk_norm: bool = False, num_experts: int = 0,
-                         ep_size: int = 1, expert_loop: str = "grouped") -> ActivationEstimate:
+                         ep_size: int = 1, expert_loop: str = "grouped", dense_layers: int = 0,
+                         dense_ffn: int = 0, shared_ffn: int = 0, shared_gate: bool = False) -> ActivationEstimate:
     """Per-GPU activation bytes for one micro-batch (module docstring for each term).
 
     ``num_kv_heads`` / ``head_dim``: grouped-query attention (default: ``num_heads`` and
     ``hidden_size / num_heads``). ``qk_norm``: per-head q/k norms. ``num_experts``: the router's
     width and AutoEP's padding. ``expert_loop``: how the experts run (``"grouped"``, ``"modules"``,
     ``"slices"``): the model's own blocks at ``ep_size=1``; at ``ep_size > 1`` AutoEP's layers, with
-    grouped GEMMs (``"grouped"``) or a loop (anything else)."""
+    grouped GEMMs (``"grouped"``) or a loop (anything else). ``dense_layers`` of the ``num_layers``
+    run a dense MLP of width ``dense_ffn``; ``shared_ffn`` / ``shared_gate``: the shared experts of
+    each MoE layer (:class:`~lightning_zeromoe.planner.layers.LayerMix` reads all four from a model)."""
     a = 4 if normalize_precision(precision) == "fp32" else 2
     impl = ("autoep" if expert_loop == "grouped" else "autoep-loop") if ep_size > 1 else expert_loop
     s, b, h, f, k = seq_len, micro_batch, hidden_size, ffn_hidden_size, top_k
@@ -125,22 +144,35 @@ def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, nu
         attention += (4 + a) * t * (h_q + h_kv)
     if not flash_attention:
         attention += a / 2 * 5 * num_heads * s * s * b
+    norms = 2 * (4 + a) * t * h
+    shared = a * t * 4 * shared_ffn + (a * t * (h + 1) if shared_gate and shared_ffn else 0)
     layer = LayerActivations(
-        attention=attention, norms=2 * (4 + a) * t * h, router=a * t * h + 4 * t * num_experts,
+        attention=attention, norms=norms, router=a * t * h + 4 * t * num_experts,
         experts=expert_bytes(tokens=t, hidden_size=h, ffn_hidden_size=f, top_k=k, act_bytes=a, impl=impl,
-                             local_experts=num_experts // ep_size))
-    per_layer = layer.total
+                             local_experts=num_experts // ep_size), mlp=shared)
+    dense = (LayerActivations(attention=attention, norms=norms, router=0.0, experts=0.0,
+                              mlp=a * t * (h + 4 * dense_ffn)) if dense_layers else None)
+    moe_layers = num_layers - dense_layers
+    layers_total = moe_layers * layer.total + (dense_layers * dense.total if dense else 0.0)
+    per_layer = layers_total / num_layers if num_layers else layer.total
     logits = 4.0 * t * vocab_size + (4 + 2 * a) * t * h
     routed = ("(kT+8E/ep)(h+4f) + kTh" if impl.startswith("autoep") else
               f"kT({2 if impl == 'grouped' else 3}h+4f)")
+    if shared_ffn:
+        routed += " + 4Tf_s" + (" + T(h+1)" if shared_gate else "")
     body = f"T(h+2h_q+2h_kv){' + qk norms' if qk_norm else ''} + 2T(4+a)h/a + Th + 4TE/a + {routed}"
+    if dense:
+        body = f"{moe_layers} MoE layers' [{body}], {dense_layers} dense layers' [attention + norms + T(h+4f_d)]"
+        layers_term = f"a*({body})"
+    else:
+        layers_term = f"L*a*[{body}]"
     if activation_checkpointing:
         kept = float(a * t * h)
-        total = kept * num_layers + per_layer + logits
-        formula = f"L*aTh (checkpointed inputs) + one layer's a*[{body}] + 4TV + (4+2a)Th"
+        total = kept * num_layers + max(layer.total, dense.total if dense else 0.0) + logits
+        formula = f"L*aTh (checkpointed inputs) + the largest layer of {layers_term} + 4TV + (4+2a)Th"
     else:
         kept = per_layer
-        total = per_layer * num_layers + logits
-        formula = f"L*a*[{body}] + 4TV + (4+2a)Th"
+        total = layers_total + logits
+        formula = f"{layers_term} + 4TV + (4+2a)Th"
     return ActivationEstimate(per_layer=per_layer, logits=logits, total=total, formula=formula,
-                              kept_per_layer=kept, layer=layer)
+                              kept_per_layer=kept, layer=layer, dense_layer=dense)

@@ -25,6 +25,7 @@ from typing import Any
 from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, GatherUnit, ParamCounts,
                                              count_params, gather_units, has_qk_norm, is_expert_param)
+from lightning_zeromoe.planner.layers import LayerMix, layer_mix
 from lightning_zeromoe.planner.plan import Plan, plan
 from lightning_zeromoe.planner.reports import mixtral_report
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
@@ -65,6 +66,8 @@ class ModelFacts:
     #: Key/value heads (grouped-query attention) and per-head q/k norms: the attention's activations.
     num_kv_heads: int = 0
     qk_norm: bool = False
+    #: Dense layers and shared experts beside the MoE blocks (:func:`~lightning_zeromoe.planner.layers.layer_mix`).
+    mix: LayerMix | None = None
 
     def units(self, ep_size: int) -> tuple[GatherUnit, ...]:
         return self.units_leaf if ep_size == 1 else self.units_ep
@@ -133,7 +136,8 @@ def model_facts(config: Any) -> ModelFacts:
                       units_leaf=gather_units(model, lambda name, module: hasattr(module, "experts")),
                       units_ep=gather_units(model),
                       num_kv_heads=getattr(text, "num_key_value_heads", None) or first(("num_attention_heads",)),
-                      qk_norm=has_qk_norm(model))
+                      qk_norm=has_qk_norm(model),
+                      mix=layer_mix(model, first(("hidden_size", "d_model")), first(("num_hidden_layers",))))
 
 
 def _transformers_version() -> str:
@@ -189,7 +193,7 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
                  top_k=facts.top_k, vocab_size=facts.vocab_size, num_experts=facts.num_experts,
                  activation_checkpointing=args.activation_checkpointing, bucket_elements=args.bucket_size,
                  units=facts.units(ep), num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
-                 qk_norm=facts.qk_norm, expert_loop=args.expert_loop)
+                 qk_norm=facts.qk_norm, expert_loop=args.expert_loop, moe_layers=facts.moe_layers, mix=facts.mix)
         for setup in LADDER:
             shape = CommShape(counts=facts.counts, stage=setup.stage, world=args.gpus, ep_size=ep,
                               precision=args.precision, top_k=facts.top_k, hidden_size=facts.hidden_size,
@@ -275,7 +279,8 @@ def report(facts: ModelFacts, args: argparse.Namespace) -> str:
     act = rows[0].plan.activations
     lines = [f"{facts.model_type}: {c.total:,} parameters = {c.dense_total:,} dense + {c.expert_total:,} expert "
              f"({facts.num_experts} experts, top-{facts.top_k}, {facts.moe_layers} MoE layers, hidden "
-             f"{facts.hidden_size}, expert FFN {facts.expert_ffn}). {args.gpus} GPUs ({per_node} per node) x "
+             f"{facts.hidden_size}, expert FFN {facts.expert_ffn}{facts.mix.describe() if facts.mix else ''}). "
+             f"{args.gpus} GPUs ({per_node} per node) x "
              f"{args.gpu_gb:g} GB, {rows[0].plan.precision}, AdamW; micro-batch {args.micro_batch} x {args.seq_len} "
              f"tokens, accumulation {args.accumulation}, activation checkpointing "
              f"{'on' if args.activation_checkpointing else 'off'}: activations {act.total / GB:.1f} GB, buckets "

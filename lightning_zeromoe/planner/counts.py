@@ -111,7 +111,8 @@ class GatherUnit:
         return tuple(n // ep_size if e else n for n, e in zip(self.sizes, self.expert))
 
 
-def _layer_index(name: str) -> int | None:
+def layer_index(name: str) -> int | None:
+    """The decoder layer a module belongs to, parsed from its name (``model.layers.3.mlp``: 3)."""
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part in ("layers", "layer", "h", "blocks") and parts[i + 1].isdigit():
@@ -137,5 +138,5 @@ def gather_units(model: Any, is_leaf: Callable[[str, Any], bool] = lambda name, 
             sizes.append(int(math.prod(getattr(param, "ds_shape", None) or param.shape)))
             expert.append(is_expert(f"{name}.{pname}" if name else pname))
         if sizes:
-            units.append(GatherUnit(name, tuple(sizes), tuple(expert), leaf, _layer_index(name)))
+            units.append(GatherUnit(name, tuple(sizes), tuple(expert), leaf, layer_index(name)))
     return tuple(units)

@@ -12,6 +12,7 @@ from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES
 from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, ParamCounts, count_params,
                                              has_qk_norm, is_expert_param)
 from lightning_zeromoe.planner.activations import ActivationEstimate, estimate_activations
+from lightning_zeromoe.planner.layers import LayerMix, layer_mix
 from lightning_zeromoe.planner.memory import StateEstimate, _states
 from lightning_zeromoe.planner.step_time import Hardware, StepTime, autoep_loop, expert_loop_of, format_seconds
 from lightning_zeromoe.planner.counts import GatherUnit, gather_units
@@ -59,11 +60,14 @@ class Plan:
         model's modules or without an activation estimate (micro_batch and seq_len)."""
         if not self.units or self.activations is None:
             return None
+        acts = self.activations
+        ckpt = acts.kept_per_layer != acts.per_layer
         return estimate_peak(self.units, setup, world=self.num_gpus, ep_size=self.ep_size, precision=self.precision,
-                             buffers=self.zero_buffers, activation_per_layer=self.activations.per_layer,
-                             activation_logits=self.activations.logits, optimizer_bytes=self.optimizer_bytes,
-                             activation_kept_per_layer=(None if self.activations.kept_per_layer == self.activations.per_layer
-                                                        else self.activations.kept_per_layer))
+                             buffers=self.zero_buffers, activation_logits=acts.logits,
+                             optimizer_bytes=self.optimizer_bytes,
+                             # checkpointed: each layer keeps its input; the largest one's recompute
+                             activation_per_layer=acts.largest_layer if ckpt else acts.per_layer,
+                             activation_kept_per_layer=acts.kept_per_layer if ckpt else None)
 
     @property
     def usable_bytes(self) -> float:
@@ -259,7 +263,8 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          is_expert: Callable[[str], bool] = is_expert_param, hardware: Hardware | None = None,
          accumulation: int = 1, moe_layers: int | None = None, zero_config: dict[str, Any] | None = None,
          units: tuple[GatherUnit, ...] | None = None, num_kv_heads: int | None = None,
-         head_dim: int | None = None, qk_norm: bool | None = None, expert_loop: str | None = None) -> Plan:
+         head_dim: int | None = None, qk_norm: bool | None = None, expert_loop: str | None = None,
+         mix: LayerMix | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -274,7 +279,9 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
     (:attr:`Plan.step_times`), by which :meth:`Plan.recommend` chooses. ``num_kv_heads``, ``head_dim``
     and ``qk_norm`` shape the attention's activations (read from the model when not given);
     ``expert_loop`` is how the model's own blocks run their experts (default: read from the model,
-    :func:`~lightning_zeromoe.planner.step_time.expert_loop_of`).
+    :func:`~lightning_zeromoe.planner.step_time.expert_loop_of`); ``mix``: the dense layers and
+    shared experts beside the MoE blocks (default: read from the model, :func:`.layers.layer_mix`),
+    for the activations and, unless ``moe_layers`` is given, the layers that run an all-to-all.
     """
     precision = normalize_precision(precision)
     if counts is None:
@@ -309,9 +316,15 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
                              "optimizer offload with stages 2 and 3)")
 
     expert_loop = expert_loop or expert_loop_of(model)
+    cfg = getattr(model, "config", None)
+    if mix is None and model is not None:
+        mix = layer_mix(model, hidden_size or getattr(cfg, "hidden_size", 0),
+                        num_layers or getattr(cfg, "num_hidden_layers", 0) or 0)
+    if moe_layers is None and mix is not None:
+        moe_layers = mix.moe_layers
+    mix = mix or LayerMix(moe_layers=0)
     activations = None
     if micro_batch and seq_len:
-        cfg = getattr(model, "config", None)
 
         def pick(value: Any, *names: str) -> Any:
             if value is not None:
@@ -331,7 +344,9 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             num_kv_heads=num_kv_heads or getattr(cfg, "num_key_value_heads", None),
             head_dim=head_dim or getattr(cfg, "head_dim", None),
             qk_norm=has_qk_norm(model) if qk_norm is None else qk_norm, num_experts=num_experts or 0,
-            ep_size=ep_size, expert_loop=expert_loop if ep_size == 1 else autoep_loop(precision))
+            ep_size=ep_size, expert_loop=expert_loop if ep_size == 1 else autoep_loop(precision),
+            dense_layers=mix.dense_layers, dense_ffn=mix.dense_ffn, shared_ffn=mix.shared_ffn,
+            shared_gate=mix.shared_gate)
     units = tuple(units or ())
     if not units and model is not None and hasattr(model, "named_modules"):
         # At ep_size=1 the strategy registers each MoE block (a module with an ``experts`` child) as a leaf.
