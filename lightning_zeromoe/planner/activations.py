@@ -12,6 +12,16 @@ experts per token, ``E`` routed experts, ``V`` the vocabulary. Per decoder layer
   heads), and the attention output that ``o_proj`` saves: ``a*T*(h + 2*h_q + 2*h_kv)``. Without
   flash attention, Korthikanti et al.'s ``5*heads*s^2*b`` score bytes (16-bit) are added. Models with
   per-head q/k norms (Qwen3, OLMoE) save each norm's fp32 input and normalised output as well.
+  Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash; :class:`LatentAttention`)
+  saves instead, per token: the input ``h``; with a query low-rank ``r_q``, its norm's fp32 input
+  and normalised value and the up projection's input, ``(4 + 2a)/a * r_q``; the same for the
+  compressed key/value's ``r_kv``; the query and the key SDPA takes (``H*(d_n + d_r)`` each); the
+  key/value up projection's output, which holds the values (``H*(d_n + d_v)``); and the attention
+  output twice (SDPA's, and ``o_proj``'s contiguous input: ``2*H*d_v``). The rotation saves
+  nothing per token (its cos/sin need no gradient). Measured with equal query and value head
+  widths, which keep CPU's SDPA on its flash kernel; DeepSeek-V3's 192/128 widths on a GPU take the
+  memory-efficient kernel, which saves the same tensors (transformers' ``flash_attention_2`` pads
+  the values to 192 first: not counted).
 * **norms**: transformers' RMSNorm upcasts its input to fp32 and saves it, and saves the normalised
   value in the model's dtype for the weight's product: ``(4 + a)*T*h`` per norm, two per layer.
   (Korthikanti et al. count a fused LayerNorm's 16-bit input only: ``2*T*h``.)
@@ -39,13 +49,13 @@ LM head's input, ``(4 + 2a)*T*h``. With activation checkpointing a layer keeps i
 and one layer's activations are live at a time, during its recompute.
 
 Not included: all-to-all buffers in flight, temporaries of a single op, and the allocator's caching:
-that is what the plan's headroom is for. Multi-head latent attention (DeepSeek-V2/V3) is counted as
-the attention above with its heads' widths.
+that is what the plan's headroom is for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_zeromoe.planner.setups import normalize_precision
 
@@ -101,6 +111,42 @@ class ActivationEstimate:
                    self.dense_layer.total if self.dense_layer else 0.0)
 
 
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's widths (DeepSeek-V2's config names): ``q_lora_rank`` None
+    projects the query directly."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> "LatentAttention | None":
+        """The widths from a model config that has ``kv_lora_rank``, else None."""
+        values = {name: getattr(config, name, None) for name in ("kv_lora_rank", "qk_nope_head_dim",
+                                                                 "qk_rope_head_dim", "v_head_dim")}
+        if not all(isinstance(v, int) and v > 0 for v in values.values()):
+            return None
+        q_rank = getattr(config, "q_lora_rank", None)
+        return cls(**values, q_lora_rank=q_rank if isinstance(q_rank, int) and q_rank > 0 else None)
+
+    def saved_bytes(self, tokens: int, hidden_size: int, num_heads: int, act_bytes: int) -> float:
+        """Bytes one layer's attention saves (module docstring)."""
+        a, heads = act_bytes, num_heads
+        qk = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        # the compressed key/value's norm reads an fp32 copy, or in fp32 the projection's output itself
+        kv_norm_input = 4 * self.kv_lora_rank if a < 4 else a * (self.kv_lora_rank + self.qk_rope_head_dim)
+        per_token = (a * hidden_size
+                     + ((4 + 2 * a) * self.q_lora_rank if self.q_lora_rank else 0)
+                     + kv_norm_input + 2 * a * self.kv_lora_rank  # normalised, and the up projection's input
+                     + a * 2 * qk  # the query and the key SDPA takes
+                     + a * heads * (self.qk_nope_head_dim + self.v_head_dim)  # the up projection's output: values
+                     + a * 2 * heads * self.v_head_dim)  # the attention output, and o_proj's contiguous input
+        return float(tokens * per_token)
+
+
 def expert_bytes(*, tokens: int, hidden_size: int, ffn_hidden_size: int, top_k: int, act_bytes: int,
                  impl: str = "grouped", local_experts: int = 0) -> float:
     """The routed experts' saved tensors in one MoE layer (module docstring, "experts"), for one of
@@ -123,7 +169,8 @@ def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, nu
                          activation_checkpointing: bool = False, num_kv_heads: int | None = None,
                          head_dim: int | None = None, qk_norm: bool = False, num_experts: int = 0,
                          ep_size: int = 1, expert_loop: str = "grouped", dense_layers: int = 0,
-                         dense_ffn: int = 0, shared_ffn: int = 0, shared_gate: bool = False) -> ActivationEstimate:
+                         dense_ffn: int = 0, shared_ffn: int = 0, shared_gate: bool = False,
+                         latent_attention: LatentAttention | None = None) -> ActivationEstimate:
     """Per-GPU activation bytes for one micro-batch (module docstring for each term).
 
     ``num_kv_heads`` / ``head_dim``: grouped-query attention (default: ``num_heads`` and
@@ -132,14 +179,16 @@ def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, nu
     ``"slices"``): the model's own blocks at ``ep_size=1``; at ``ep_size > 1`` AutoEP's layers, with
     grouped GEMMs (``"grouped"``) or a loop (anything else). ``dense_layers`` of the ``num_layers``
     run a dense MLP of width ``dense_ffn``; ``shared_ffn`` / ``shared_gate``: the shared experts of
-    each MoE layer (:class:`~lightning_zeromoe.planner.layers.LayerMix` reads all four from a model)."""
+    each MoE layer (:class:`~lightning_zeromoe.planner.layers.LayerMix` reads all four from a model).
+    ``latent_attention``: multi-head latent attention's widths, in place of grouped-query attention's."""
     a = 4 if normalize_precision(precision) == "fp32" else 2
     impl = ("autoep" if expert_loop == "grouped" else "autoep-loop") if ep_size > 1 else expert_loop
     s, b, h, f, k = seq_len, micro_batch, hidden_size, ffn_hidden_size, top_k
     t = s * b
     d = head_dim or h // num_heads
     h_q, h_kv = num_heads * d, (num_kv_heads or num_heads) * d
-    attention = a * t * (h + 2 * h_q + 2 * h_kv)
+    attention = (latent_attention.saved_bytes(t, h, num_heads, a) if latent_attention else
+                 a * t * (h + 2 * h_q + 2 * h_kv))
     if qk_norm:
         attention += (4 + a) * t * (h_q + h_kv)
     if not flash_attention:
@@ -160,7 +209,8 @@ def estimate_activations(*, micro_batch: int, seq_len: int, hidden_size: int, nu
               f"kT({2 if impl == 'grouped' else 3}h+4f)")
     if shared_ffn:
         routed += " + 4Tf_s" + (" + T(h+1)" if shared_gate else "")
-    body = f"T(h+2h_q+2h_kv){' + qk norms' if qk_norm else ''} + 2T(4+a)h/a + Th + 4TE/a + {routed}"
+    attn = "latent attention" if latent_attention else "T(h+2h_q+2h_kv)"
+    body = f"{attn}{' + qk norms' if qk_norm else ''} + 2T(4+a)h/a + Th + 4TE/a + {routed}"
     if dense:
         body = f"{moe_layers} MoE layers' [{body}], {dense_layers} dense layers' [attention + norms + T(h+4f_d)]"
         layers_term = f"a*({body})"

@@ -25,6 +25,7 @@ from typing import Any
 from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, GatherUnit, ParamCounts,
                                              count_params, gather_units, has_qk_norm, is_expert_param)
+from lightning_zeromoe.planner.activations import LatentAttention
 from lightning_zeromoe.planner.layers import LayerMix, layer_mix
 from lightning_zeromoe.planner.plan import Plan, plan
 from lightning_zeromoe.planner.reports import mixtral_report
@@ -63,10 +64,11 @@ class ModelFacts:
     #: where each MoE block is one leaf module, and with expert parallelism: for the modelled peak.
     units_leaf: tuple[GatherUnit, ...] = ()
     units_ep: tuple[GatherUnit, ...] = ()
-    #: Key/value heads (grouped-query attention) and per-head q/k norms: the attention's activations.
+    #: For the activations: key/value heads (grouped-query attention), per-head q/k norms, multi-head
+    #: latent attention's widths, and the dense layers and shared experts beside the MoE blocks.
     num_kv_heads: int = 0
     qk_norm: bool = False
-    #: Dense layers and shared experts beside the MoE blocks (:func:`~lightning_zeromoe.planner.layers.layer_mix`).
+    latent_attention: LatentAttention | None = None
     mix: LayerMix | None = None
 
     def units(self, ep_size: int) -> tuple[GatherUnit, ...]:
@@ -136,7 +138,7 @@ def model_facts(config: Any) -> ModelFacts:
                       units_leaf=gather_units(model, lambda name, module: hasattr(module, "experts")),
                       units_ep=gather_units(model),
                       num_kv_heads=getattr(text, "num_key_value_heads", None) or first(("num_attention_heads",)),
-                      qk_norm=has_qk_norm(model),
+                      qk_norm=has_qk_norm(model), latent_attention=LatentAttention.of(text),
                       mix=layer_mix(model, first(("hidden_size", "d_model")), first(("num_hidden_layers",))))
 
 
@@ -187,13 +189,13 @@ def plan_all(facts: ModelFacts, args: argparse.Namespace) -> list[Row]:
     rows = []
     for ep in eps:
         p = plan(counts=facts.counts, num_gpus=args.gpus, gpus_per_node=gpus_per_node,
-                 gpu_memory_bytes=args.gpu_gb * GB, precision=args.precision, ep_size=ep,
-                 micro_batch=args.micro_batch, seq_len=args.seq_len, hidden_size=facts.hidden_size,
-                 num_layers=facts.num_layers, num_heads=facts.num_heads, ffn_hidden_size=facts.expert_ffn,
-                 top_k=facts.top_k, vocab_size=facts.vocab_size, num_experts=facts.num_experts,
+                 gpu_memory_bytes=args.gpu_gb * GB, precision=args.precision, ep_size=ep, micro_batch=args.micro_batch,
+                 seq_len=args.seq_len, hidden_size=facts.hidden_size, num_layers=facts.num_layers,
+                 num_heads=facts.num_heads, ffn_hidden_size=facts.expert_ffn, top_k=facts.top_k,
+                 vocab_size=facts.vocab_size, num_experts=facts.num_experts, mix=facts.mix,
                  activation_checkpointing=args.activation_checkpointing, bucket_elements=args.bucket_size,
-                 units=facts.units(ep), num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
-                 qk_norm=facts.qk_norm, expert_loop=args.expert_loop, moe_layers=facts.moe_layers, mix=facts.mix)
+                 units=facts.units(ep), num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim, qk_norm=facts.qk_norm,
+                 expert_loop=args.expert_loop, moe_layers=facts.moe_layers, latent_attention=facts.latent_attention)
         for setup in LADDER:
             shape = CommShape(counts=facts.counts, stage=setup.stage, world=args.gpus, ep_size=ep,
                               precision=args.precision, top_k=facts.top_k, hidden_size=facts.hidden_size,

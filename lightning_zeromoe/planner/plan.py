@@ -11,7 +11,7 @@ from lightning_zeromoe import knowledge
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup, _PRECISION_BYTES, normalize_precision
 from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, ParamCounts, count_params,
                                              has_qk_norm, is_expert_param)
-from lightning_zeromoe.planner.activations import ActivationEstimate, estimate_activations
+from lightning_zeromoe.planner.activations import ActivationEstimate, LatentAttention, estimate_activations
 from lightning_zeromoe.planner.layers import LayerMix, layer_mix
 from lightning_zeromoe.planner.memory import StateEstimate, _states
 from lightning_zeromoe.planner.step_time import Hardware, StepTime, autoep_loop, expert_loop_of, format_seconds
@@ -264,7 +264,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
          accumulation: int = 1, moe_layers: int | None = None, zero_config: dict[str, Any] | None = None,
          units: tuple[GatherUnit, ...] | None = None, num_kv_heads: int | None = None,
          head_dim: int | None = None, qk_norm: bool | None = None, expert_loop: str | None = None,
-         mix: LayerMix | None = None) -> Plan:
+         mix: LayerMix | None = None, latent_attention: LatentAttention | None = None) -> Plan:
     """Per-GPU bytes for parameters, gradients, fp32 master weights and optimizer states under
     ZeRO 1/2/3 with and without offload, plus an activation estimate when ``micro_batch`` and
     ``seq_len`` are given (model sizes are read from ``model.config`` when possible).
@@ -281,7 +281,8 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
     ``expert_loop`` is how the model's own blocks run their experts (default: read from the model,
     :func:`~lightning_zeromoe.planner.step_time.expert_loop_of`); ``mix``: the dense layers and
     shared experts beside the MoE blocks (default: read from the model, :func:`.layers.layer_mix`),
-    for the activations and, unless ``moe_layers`` is given, the layers that run an all-to-all.
+    for the activations and, unless ``moe_layers`` is given, the layers that run an all-to-all;
+    ``latent_attention``: multi-head latent attention's widths (default: read from ``model.config``).
     """
     precision = normalize_precision(precision)
     if counts is None:
@@ -346,7 +347,7 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
             qk_norm=has_qk_norm(model) if qk_norm is None else qk_norm, num_experts=num_experts or 0,
             ep_size=ep_size, expert_loop=expert_loop if ep_size == 1 else autoep_loop(precision),
             dense_layers=mix.dense_layers, dense_ffn=mix.dense_ffn, shared_ffn=mix.shared_ffn,
-            shared_gate=mix.shared_gate)
+            shared_gate=mix.shared_gate, latent_attention=latent_attention or LatentAttention.of(cfg))
     units = tuple(units or ())
     if not units and model is not None and hasattr(model, "named_modules"):
         # At ep_size=1 the strategy registers each MoE block (a module with an ``experts`` child) as a leaf.
