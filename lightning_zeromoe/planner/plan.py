@@ -326,7 +326,6 @@ def plan(model: Any = None, *, dense_params: int | None = None, expert_params: i
     mix = mix or LayerMix(moe_layers=0)
     activations = None
     if micro_batch and seq_len:
-
         def pick(value: Any, *names: str) -> Any:
             if value is not None:
                 return value
