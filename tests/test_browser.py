@@ -90,15 +90,22 @@ class Lab:
             timeout=START_TIMEOUT * 1000)
 
     def run_all(self) -> None:
-        """Run every cell (cells tagged raises-exception do not stop the run); wait until all are done."""
+        """Run every cell (cells tagged raises-exception do not stop the run); wait until all are done.
+
+        A cell that fails untagged stops JupyterLab's run there (the cells after it are never run):
+        that is reported at once, with the failed cell's output, instead of waiting out the timeout."""
         self.page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-        self.page.wait_for_function(
+        state = self.page.wait_for_function(
             "() => { const w = window.jupyterapp.shell.currentWidget;"
             " const code = w.content.widgets.filter(c => c.model.type === 'code');"
-            " return code.every(c => c.model.executionCount !== null && !c.node.querySelector("
-            "   '.jp-InputPrompt').textContent.includes('*'))"
-            "   && w.sessionContext.session.kernel.status === 'idle'; }",
-            timeout=RUN_TIMEOUT * 1000, polling=500)
+            " if (w.sessionContext.session.kernel.status !== 'idle'"
+            "     || code.some(c => c.node.querySelector('.jp-InputPrompt').textContent.includes('*'))) return false;"
+            " const next = code.findIndex(c => c.model.executionCount === null);"
+            " if (next < 0) return 'done';"
+            " if (next === 0) return false;"  # not started yet
+            " return 'stopped after cell ' + (next - 1) + ':\\n' + code[next - 1].node.innerText; }",
+            timeout=RUN_TIMEOUT * 1000, polling=500).json_value()
+        assert state == "done", f"the notebook did not run to the end; it {state}"
 
     def cell(self, index: int):
         return self.page.locator(".jp-Notebook .jp-Cell").nth(index)
