@@ -93,16 +93,22 @@ class Lab:
         """Run every cell (cells tagged raises-exception do not stop the run); wait until all are done.
 
         A cell that fails untagged stops JupyterLab's run there (the cells after it are never run):
-        that is reported at once, with the failed cell's output, instead of waiting out the timeout."""
-        self.page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        that is reported, with the failed cell's output, once the kernel has stayed idle with cells
+        left unrun for 10 s (between two cells it is idle for milliseconds), instead of waiting out
+        the timeout."""
+        self.page.evaluate("() => { window.tshIdle = null;"  # not awaited: the wait below decides
+                           " window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
         state = self.page.wait_for_function(
             "() => { const w = window.jupyterapp.shell.currentWidget;"
             " const code = w.content.widgets.filter(c => c.model.type === 'code');"
-            " if (w.sessionContext.session.kernel.status !== 'idle'"
-            "     || code.some(c => c.node.querySelector('.jp-InputPrompt').textContent.includes('*'))) return false;"
             " const next = code.findIndex(c => c.model.executionCount === null);"
+            " if (w.sessionContext.session.kernel.status !== 'idle' || next === 0"
+            "     || code.some(c => c.node.querySelector('.jp-InputPrompt').textContent.includes('*'))) {"
+            "   window.tshIdle = null; return false; }"
             " if (next < 0) return 'done';"
-            " if (next === 0) return false;"  # not started yet
+            " const key = next + ':' + code[next - 1].model.executionCount;"
+            " if (!window.tshIdle || window.tshIdle.key !== key) { window.tshIdle = {key, since: Date.now()}; return false; }"
+            " if (Date.now() - window.tshIdle.since < 10000) return false;"
             " return 'stopped after cell ' + (next - 1) + ':\\n' + code[next - 1].node.innerText; }",
             timeout=RUN_TIMEOUT * 1000, polling=500).json_value()
         assert state == "done", f"the notebook did not run to the end; it {state}"
