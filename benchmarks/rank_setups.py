@@ -26,8 +26,9 @@ Method, in one launch (``torch.distributed.run``, gloo):
 4. Prediction: ``predict_step_time`` with ``Hardware`` from 1-2 (the measured link per collective,
    FLOP/s, update rate), the model's own tensor sizes and the engine's bucket sizes, and the host
    work rates of a separate one-rank run, where nothing communicates, so nothing of the ranking under
-   test goes into them (``--calibrate``, see :func:`calibrate`): ZeRO-3's work per module pass (s3e1
-   minus s1e1) and the expert loop's two rates (s1e1 with 8, 4 and 2 experts: the reference block
+   test goes into them (``--calibrate``, see :func:`calibrate`): the gradient staging rate (s2e1
+   minus s1e1: one more staging of the whole gradient per micro-batch), ZeRO-3's work per module
+   pass (s3e1 minus s1e1, less the staging they differ by) and the expert loop's two rates (s1e1 with 8, 4 and 2 experts: the reference block
    and AutoEP's layer without grouped GEMM both loop over slices of fused expert tensors,
    ``ModelShape(expert_loop="slices")``). Host work is CPU time: where ranks share cores it
    stretches as the matmul does, so the calibration is scaled by one rank's matmul rate over this
@@ -54,6 +55,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -229,19 +231,24 @@ def predict(rec: dict[str, Any], hw: Hardware, args: argparse.Namespace) -> Any:
 def calibrate(records: dict[str, Any], meas: dict[str, float], hw: Hardware, args: argparse.Namespace) -> dict[str, Any]:
     """The host-work rates of one rank, where nothing communicates (module docstring, step 4).
 
-    ZeRO-3: s3e1 minus s1e1 per module pass. The expert loop: s1e1 with E, E/2 and E/4 experts (the
+    Gradient staging: s2e1 stages the whole gradient once per micro-batch, s1e1 once per step, so
+    s2e1 minus s1e1 is ``accumulation - 1`` stagings. ZeRO-3: s3e1 minus s1e1, less the stagings
+    s3e1 does beyond s1e1's, per module pass. The expert loop: s1e1 with E, E/2 and E/4 experts (the
     same FLOPs per token: top-2 of any). What the model predicts without the loop (the optimizer's
     update of more or fewer experts) is subtracted; what is left, up to a constant, is
     ``L * A * E * (f + 4 * b_E / bandwidth)`` with ``b_E`` one layer's expert bytes. Two differences
     give ``f`` and ``1 / bandwidth``; where the fit gives a negative ``f``, ``f = 0`` and the
     bandwidth is fitted alone (least squares), since a cost cannot be negative."""
-    from dataclasses import replace
 
     from lightning_zeromoe.planner.step_time import module_count
 
     modules = module_count(_shape(records["s3e1"], args))
-    per_pass = (meas["s3e1"] - meas["s1e1"]) / (2 * args.accumulation * modules)
-    bare = replace(hw, expert_loop_seconds=0.0, memory_bandwidth=float("inf"))
+    gradient_bytes = sum(map(sum, records["s1e1"]["counts"])) * 4  # fp32
+    extra = meas["s2e1"] - meas["s1e1"]
+    staging = (args.accumulation - 1) * gradient_bytes / extra if extra > 0 else float("inf")
+    per_pass = ((meas["s3e1"] - meas["s1e1"] - (args.accumulation - 1) * gradient_bytes / staging)
+                / (2 * args.accumulation * modules))
+    bare = replace(hw, expert_loop_seconds=0.0, memory_bandwidth=float("inf"), gradient_staging_bandwidth=staging)
     names = ["s1e1", "s1e1/2", "s1e1/4"]
     experts = {n: records[n]["experts"] for n in names}
     rest = {n: meas[n] - predict(records[n], bare, args).total for n in names}
@@ -255,13 +262,18 @@ def calibrate(records: dict[str, Any], meas: dict[str, float], hw: Hardware, arg
     f, x = (y1 * b2 - y2 * b1) / det, (a1 * y2 - a2 * y1) / det
     if f < 0:
         f, x = 0.0, (b1 * y1 + b2 * y2) / (b1 * b1 + b2 * b2)
-    report = (f"calibration (1 rank): s1e1 {meas['s1e1']:.4f} s, s3e1 {meas['s3e1']:.4f} s; s1e1 with "
+    report = (f"calibration (1 rank): s1e1 {meas['s1e1']:.4f} s, s2e1 {meas['s2e1']:.4f} s, s3e1 "
+              f"{meas['s3e1']:.4f} s; s1e1 with "
               + ", ".join(f"{experts[n]} experts {meas[n]:.4f} s" for n in names) + " per step\n"
+              f"  gradient staging: {gradient_bytes / 1e6:.1f} MB per staging at {staging / 1e9:.2f} GB/s\n"
               f"  ZeRO-3 host work: {modules} modules x 2 passes x {args.accumulation} micro-batches: "
               f"{per_pass * 1e6:.0f} us per module pass\n"
               f"  expert loop: {f * 1e6:.0f} us per expert, full-size slice gradients at "
               f"{1 / x / 1e9 if x > 0 else float('inf'):.2f} GB/s effective")
-    return {"zero3_module_seconds": per_pass, "expert_loop_seconds": f,
+    # the model before the staging term charged all of s3e1 minus s1e1 to ZeRO-3's module passes
+    unstaged = (meas["s3e1"] - meas["s1e1"]) / (2 * args.accumulation * modules)
+    return {"zero3_module_seconds": per_pass, "expert_loop_seconds": f, "gradient_staging_bandwidth": staging,
+            "zero3_module_seconds_unstaged": unstaged,
             "memory_bandwidth": 1 / x if x > 0 else float("inf"), "modules": modules, "report": report}
 
 
@@ -310,14 +322,14 @@ def main() -> int:
                         help="every rank draws the same batches (equal routing, so no rank waits for a slower one)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--calibrate", action="store_true",
-                        help="one rank, no communication: measure ZeRO-3's host work per module pass (s3e1 minus "
-                             "s1e1) and the expert loop's two rates (s1e1 with all, half and a quarter of the "
+                        help="one rank, no communication: measure the gradient staging rate (s2e1 minus s1e1), "
+                             "ZeRO-3's host work per module pass (s3e1 minus s1e1) and the expert loop's two rates (s1e1 with all, half and a quarter of the "
                              "experts); write them to --json")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="the --json file of a --calibrate run (default: the model's GPU assumptions)")
     args = parser.parse_args()
     if args.calibrate:
-        args.setups = "s1e1,s3e1,s1e1/2,s1e1/4"
+        args.setups = "s1e1,s2e1,s3e1,s1e1/2,s1e1/4"
     if args.steps is None:
         args.steps = 24 if args.calibrate else 12
     torch.set_num_threads(1)
@@ -337,7 +349,8 @@ def main() -> int:
         contention = max(1.0, cal["flops_per_second"] / compute["flops_per_second"])
         extra = {"zero3_module_seconds": cal["zero3_module_seconds"] * contention,
                  "expert_loop_seconds": cal["expert_loop_seconds"] * contention,
-                 "memory_bandwidth": cal["memory_bandwidth"] / contention}
+                 "memory_bandwidth": cal["memory_bandwidth"] / contention,
+                 "gradient_staging_bandwidth": cal["gradient_staging_bandwidth"] / contention}
     hw = Hardware(flops_per_second=compute["flops_per_second"], **extra,
                   intra=Link(links["all_reduce"]["bandwidth"], links["all_reduce"]["latency"]),
                   update_params_per_second=compute["update_params_per_second"],
@@ -352,7 +365,8 @@ def main() -> int:
             print(f"  host work from {args.calibration} x {contention:.2f} (one rank's matmul rate / this run's): "
                   f"ZeRO-3 {hw.zero3_module_seconds * 1e6:.0f} us per module pass, expert loop "
                   f"{hw.expert_loop_seconds * 1e6:.0f} us per expert, slice gradients at "
-                  f"{hw.memory_bandwidth / 1e9:.2f} GB/s", flush=True)
+                  f"{hw.memory_bandwidth / 1e9:.2f} GB/s, gradient staging at "
+                  f"{hw.gradient_staging_bandwidth / 1e9:.2f} GB/s", flush=True)
     names = [n for n in args.setups.split(",") if n]
     # Every engine is built first and warmed up; then the timed steps go round the setups, one step
     # each, in an order rotated every round, so that a change of load falls on every setup alike.
@@ -386,23 +400,32 @@ def main() -> int:
         return 0
     preds = {n: predict(records[n], hw, args) for n in names}
     rho = spearman([preds[n].total for n in names], [meas[n] for n in names])
+    # Side by side: the same run ranked by the model without the gradient-staging term.
+    unstaged_hw = replace(hw, gradient_staging_bandwidth=float("inf"), zero3_module_seconds=(
+        cal["zero3_module_seconds_unstaged"] * contention if args.calibration is not None else hw.zero3_module_seconds))
+    unstaged = [predict(records[n], unstaged_hw, args).total for n in names]
+    rho_unstaged = spearman(unstaged, [meas[n] for n in names])
     if rank == 0:
         pr, mr = ranks([preds[n].total for n in names]), ranks([meas[n] for n in names])
-        print("\n| setup | predicted s/step (compute + comm + expert loop + ZeRO-3 host) | measured s/step (median) "
+        print("\n| setup | predicted s/step (compute + comm + expert loop + staging + ZeRO-3 host) "
+              "| measured s/step (median) "
               "| predicted rank | measured rank |")
         print("|---|---:|---:|---:|---:|")
         for i, n in enumerate(names):
             p = preds[n]
             print(f"| {n} | {p.total:.3f} ({p.compute:.3f} + {p.comm_total:.3f} + {p.expert_loop:.3f} + "
-                  f"{p.zero3_host:.3f}) | {meas[n]:.3f} "
+                  f"{p.gradient_staging:.3f} + {p.zero3_host:.3f}) | {meas[n]:.3f} "
                   f"| {pr[i]:g} | {mr[i]:g} |")
-        print(f"Spearman rho ({world} ranks, {len(names)} setups): {rho:.3f}; load average at end "
-              f"{os.getloadavg()[0]:.2f}")
+        print(f"Spearman rho ({world} ranks, {len(names)} setups): {rho:.3f}; without the gradient-staging term "
+              f"{rho_unstaged:.3f} (predicted ranks {' '.join(f'{r:g}' for r in ranks(unstaged))}); load average at "
+              f"end {os.getloadavg()[0]:.2f}")
         if args.json:
             args.json.write_text(json.dumps({"world": world, "links": links, "compute": compute, "rho": rho,
+                                             "rho_without_staging": rho_unstaged,
                                              "measured": measured, "load": [load, os.getloadavg()],
                                              "predicted": {n: {"total": p.total, "compute": p.compute,
                                                                "comm": p.comm_total, "zero3_host": p.zero3_host,
+                                                               "gradient_staging": p.gradient_staging,
                                                                "expert_loop": p.expert_loop}
                                                            for n, p in preds.items()},
                                              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}, indent=1))

@@ -1,8 +1,8 @@
 """The step-time model (``lightning_zeromoe/planner/step_time.py``) and choosing by time: FLOPs per
 token counted by hand on the tiny model, communication time = bytes x factor / bandwidth per group
-(inside or across nodes), offload time, and the choice (fastest that fits, ties to the lower stage,
-the reason line). No processes and no timing: the ranking on real CPU ranks is
-``benchmarks/rank_setups.py``'s job."""
+(inside or across nodes), gradient staging per reduction, offload time, and the choice (fastest
+that fits, ties to the lower stage, the reason line). No processes and no timing: the ranking on
+real CPU ranks is ``benchmarks/rank_setups.py``'s job."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_expert_loop_costs_per_local_expert_and_quadratically_for_sliced_tensors
     step = predict_step_time(CommShape(counts=counts, stage=1, world=2, precision="fp32", moe_layers=2, num_experts=4,
                                        accumulation=3), hw, model=ModelShape(expert_loop="slices"))
     assert step.expert_loop == pytest.approx(loop(1, "slices"))
-    assert step.total == pytest.approx(step.compute + step.comm_total + step.expert_loop)
+    assert step.total == pytest.approx(step.compute + step.comm_total + step.expert_loop + step.gradient_staging)
     # The model's own blocks run at ep_size=1; AutoEP's layer replaces them above (grouped in bf16 on GPUs).
     eager = ModelShape(expert_loop="slices")
     assert (eager.loop_at(1), eager.loop_at(2)) == ("slices", "grouped")
@@ -126,7 +126,7 @@ def test_comm_time_is_bytes_over_bandwidth_per_group():
     step = predict_step_time(shape, hw, gpus_per_node=2)
     assert step.comm[("all_reduce", "world")] == pytest.approx((4e6 + 4) / 1e9 + 2 * 1e-3)
     assert step.comm[("all_gather", "world")] == pytest.approx(4e6 * 0.5 / 1e9 + 1e-3)
-    assert step.total == pytest.approx(step.compute + step.comm_total)
+    assert step.total == pytest.approx(step.compute + step.comm_total + step.gradient_staging)
     # The same on 2 nodes of 1 GPU: the world group spans nodes, so the inter-node link.
     across = predict_step_time(shape, hw, gpus_per_node=1)
     assert across.comm[("all_gather", "world")] == pytest.approx(4e6 * 0.5 / 1e6 + 1.0)
@@ -138,6 +138,26 @@ def test_comm_time_is_bytes_over_bandwidth_per_group():
     assert predict_step_time(shape, by_size, gpus_per_node=2).comm[("all_gather", "world")] == pytest.approx(2e6 / 1e7)
     assert [bus_factor(c, 4) for c in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")] \
         == [1.5, 0.75, 0.75, 0.75, 1.0]
+
+
+def test_gradient_staging_is_once_per_step_at_stage_1_and_once_per_micro_batch_above():
+    # 10^6 dense and 8 x 10^6 expert elements, bf16 gradients (2 bytes), 4 micro-batches, 1 GB/s.
+    counts = ParamCounts((10**6,), (8 * 10**6,))
+    hw = Hardware(gradient_staging_bandwidth=1e9)
+
+    def step(stage: int, ep: int):
+        return predict_step_time(CommShape(counts=counts, stage=stage, world=8, ep_size=ep, precision="bf16",
+                                           moe_layers=1, num_experts=8, accumulation=4), hw)
+
+    # A rank stages every dense gradient and the whole gradients of its own experts.
+    assert step(1, 1).gradient_staging == pytest.approx(9e6 * 2 / 1e9)
+    assert step(2, 1).gradient_staging == step(3, 1).gradient_staging == pytest.approx(4 * 9e6 * 2 / 1e9)
+    assert step(2, 8).gradient_staging == pytest.approx(4 * 2e6 * 2 / 1e9)  # one expert per rank
+    for stage in (1, 2, 3):
+        t = step(stage, 2)
+        assert t.total == pytest.approx(t.compute + t.comm_total + t.gradient_staging + t.zero3_host)
+    # The GPU default: about 4 bytes of HBM traffic per gradient byte at 4 TB/s.
+    assert Hardware().gradient_staging_bandwidth == pytest.approx(Hardware().memory_bandwidth / 4)
 
 
 def test_groups_span_nodes_as_deepspeed_places_ranks():

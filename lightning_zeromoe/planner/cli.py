@@ -295,9 +295,7 @@ def report(facts: ModelFacts, args: argparse.Namespace) -> str:
     best = ranked[0]
     t = best.time
     why = (f"Recommendation: ep_size={best.ep_size}, {best.setup.label}: {best.total / GB:.1f} GB per GPU of "
-           f"{best.plan.usable_bytes / GB:.1f} GB usable, predicted step {format_seconds(t.total)} (compute "
-           f"{format_seconds(t.compute)}, comm {format_seconds(t.comm_total)}"
-           + (f", offload {format_seconds(t.offload)}" if t.offload else "") + ")")
+           f"{best.plan.usable_bytes / GB:.1f} GB usable, predicted step {t.describe()}")
     if len(ranked) > 1:
         other = ranked[1]
         why += (f"; runner-up ep_size={other.ep_size}, {other.setup.label}: {other.total / GB:.1f} GB, "

@@ -1,6 +1,6 @@
 """Step-time model: how long one optimizer step takes per setup, to rank setups by time.
 
-A prediction, built from three terms that are added (no overlap assumed, see below):
+A prediction, built from terms that are added (no overlap assumed, see below):
 
 compute
     ``flops_per_token * tokens per rank per step / Hardware.flops_per_second``. FLOPs per token
@@ -62,6 +62,17 @@ the expert loop
     AutoEP's grouped GEMM in bf16 on GPUs. On CPU ranks both rates are measured
     (``benchmarks/rank_setups.py --calibrate``: the same model with 8, 4 and 2 experts on one rank).
 
+gradient staging
+    Every gradient reduction first stages the rank's full gradients (its dense parameters and its own
+    experts) in memory: ZeRO-1/2 copy them into the reduce bucket (``contiguous_gradients``), flatten
+    each bucket for its all-reduce and copy the rank's partition out
+    (``stage_1_and_2.py::average_tensor``, ``allreduce_bucket``); ZeRO-3 copies them into its bucket
+    before the reduce-scatter. ``reductions * gradient bytes of the rank /
+    Hardware.gradient_staging_bandwidth``, with one reduction per step at stage 1 and one per
+    micro-batch at stages 2 and 3. On CPU ranks the rate is measured (``benchmarks/rank_setups.py
+    --calibrate``: stage 2 minus stage 1 on one rank, where neither communicates; fresh flat buffers
+    cost page faults there, so it is far below a copy's bandwidth); the GPU default is an assumption.
+
 ZeRO-3's host-side work
     ZeRO-3 runs hooks and its parameter coordinator (fetch, release, trace bookkeeping) for every
     module with parameters, in forward and in backward, whether or not a gather is needed:
@@ -69,7 +80,8 @@ ZeRO-3's host-side work
     (``benchmarks/rank_setups.py --calibrate``: stage 3 minus stage 1 on one rank, where neither
     communicates, per module pass); the GPU default is an assumption, see the field.
 
-Overlap assumption: none. ``total = compute + communication + offload + expert loop + ZeRO-3 host``
+Overlap assumption: none. ``total = compute + communication + offload + expert loop + gradient
+staging + ZeRO-3 host``
 is the serial sum, an upper bound. On GPUs ``overlap_comm`` hides part of the gradient reductions
 behind backward, so absolute figures are pessimistic there; :attr:`Hardware.overlap` (0..1)
 subtracts that fraction of the gradient-reduction time, at most the backward compute (2/3 of
@@ -121,6 +133,11 @@ class Hardware:
     #: loop: ~80% of H200's 4.8 TB/s HBM3e (NVIDIA datasheet). On CPU ranks an effective rate fitted
     #: by ``benchmarks/rank_setups.py --calibrate``.
     memory_bandwidth: float = 4.0e12
+    #: Bytes of gradient per second through a reduction's staging (see the module docstring,
+    #: "gradient staging"): an assumption for GPUs, about 4 bytes of HBM traffic per gradient byte
+    #: (the bucket copy, the flatten, the partition copy) at ``memory_bandwidth``. On CPU ranks
+    #: measured by ``benchmarks/rank_setups.py --calibrate``.
+    gradient_staging_bandwidth: float = 1.0e12
     #: Fraction (0..1) of gradient-reduction time hidden behind backward; 0 = serial sum.
     overlap: float = 0.0
     #: Links measured per collective (``"all_reduce"``, ``"all_gather"``, ...), or per collective and
@@ -150,13 +167,25 @@ class StepTime:
     comm_bytes: float
     #: Host cost of the experts run one at a time (0 when the experts run as grouped GEMMs), seconds.
     expert_loop: float = 0.0
+    #: The rank's gradients staged for their reductions (bucket copies, flattening), seconds.
+    gradient_staging: float = 0.0
     #: (collective, group) -> (calls per step, ranks in the group, whether it spans nodes).
     groups: dict[tuple[str, str], tuple[int, int, bool]] = field(default_factory=dict)
-    overlap: str = "none: total = compute + communication + offload + expert loop + ZeRO-3 host work (serial sum)"
+    overlap: str = ("none: total = compute + communication + offload + expert loop + gradient staging + ZeRO-3 "
+                    "host work (serial sum)")
 
     @property
     def comm_total(self) -> float:
         return sum(self.comm.values())
+
+    def describe(self) -> str:
+        """``1.23 s (compute 800.0 ms, comm 400.0 ms, gradient staging 30.0 ms)``: the total and its
+        parts (compute and comm always, the others where they are not zero)."""
+        parts = [("compute", self.compute), ("comm", self.comm_total), ("offload", self.offload),
+                 ("expert loop", self.expert_loop), ("gradient staging", self.gradient_staging),
+                 ("ZeRO-3 host work", self.zero3_host)]
+        shown = [f"{name} {format_seconds(value)}" for i, (name, value) in enumerate(parts) if i < 2 or value]
+        return f"{format_seconds(self.total)} ({', '.join(shown)})"
 
 
 @dataclass(frozen=True)
@@ -233,6 +262,21 @@ def expert_loop_time(shape: CommShape, model: ModelShape, hardware: Hardware) ->
     return shape.accumulation * shape.moe_layers * looped * per_expert
 
 
+def rank_gradient_elements(shape: CommShape) -> float:
+    """Gradient elements one rank holds whole before a reduction: every dense parameter and the rank's
+    own experts (all of them at ``ep_size=1``)."""
+    counts = shape.counts
+    return counts.dense_total + counts.expert_total / max(1, shape.ep_size)
+
+
+def gradient_staging_time(shape: CommShape, hardware: Hardware) -> float:
+    """Seconds per optimizer step of staging the rank's gradients for their reductions (module
+    docstring, "gradient staging"): once per step at stage 1, once per micro-batch at stages 2 and 3."""
+    reductions = 1 if shape.stage == 1 else shape.accumulation
+    grad_bytes = _PRECISION_BYTES[normalize_precision(shape.precision)][1]
+    return reductions * rank_gradient_elements(shape) * grad_bytes / hardware.gradient_staging_bandwidth
+
+
 def flops_per_token(shape: CommShape, model: ModelShape) -> float:
     """Training FLOPs (forward + backward) per token: ``6 N_active + 12 L h s`` (8 and 16 with
     activation checkpointing). See the module docstring."""
@@ -298,17 +342,17 @@ def predict_step_time(shape: CommShape, hardware: Hardware = Hardware(), *, mode
     else:
         compute += elements / hardware.update_params_per_second
     expert_loop = expert_loop_time(shape, model, hardware)
+    staging = gradient_staging_time(shape, hardware)
     zero3_host = 0.0
     if shape.stage == 3:
         zero3_host = 2 * shape.accumulation * module_count(shape) * hardware.zero3_module_seconds
     hidden = min(hardware.overlap * grad_time, compute * 2 / 3)
-    total = compute + sum(comm.values()) + offload + expert_loop + zero3_host - hidden
-    overlap = ("none: total = compute + communication + offload + expert loop + ZeRO-3 host work (serial sum)"
-               if not hardware.overlap else
-               f"{hardware.overlap:.0%} of gradient-reduction time hidden behind backward ({hidden:.3g} s)")
+    total = compute + sum(comm.values()) + offload + expert_loop + staging + zero3_host - hidden
+    overlap = (f"{hardware.overlap:.0%} of gradient-reduction time hidden behind backward ({hidden:.3g} s)"
+               if hardware.overlap else StepTime.overlap)
     return StepTime(compute=compute, comm=comm, offload=offload, total=total, zero3_host=zero3_host,
-                    flops_per_rank=flops, comm_bytes=prediction.total, expert_loop=expert_loop, groups=groups,
-                    overlap=overlap)
+                    flops_per_rank=flops, comm_bytes=prediction.total, expert_loop=expert_loop,
+                    gradient_staging=staging, groups=groups, overlap=overlap)
 
 
 def setup_step_time(shape: CommShape, setup: Setup, hardware: Hardware = Hardware(), **kwargs: object) -> StepTime:
@@ -329,5 +373,6 @@ def format_seconds(seconds: float) -> str:
 
 
 __all__ = ["EXPERT_LOOPS", "INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "autoep_loop",
-           "bus_factor", "expert_loop_of", "expert_loop_time", "flops_per_token", "format_seconds", "group_ranks",
-           "looped_experts", "module_count", "partition_elements", "predict_step_time", "setup_step_time", "spans_nodes"]
+           "bus_factor", "expert_loop_of", "expert_loop_time", "flops_per_token", "format_seconds", "gradient_staging_time",
+           "group_ranks", "looped_experts", "module_count", "partition_elements", "predict_step_time",
+           "rank_gradient_elements", "setup_step_time", "spans_nodes"]
