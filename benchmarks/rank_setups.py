@@ -28,11 +28,12 @@ Method, in one launch (``torch.distributed.run``, gloo):
    work rates of a separate one-rank run, where nothing communicates, so nothing of the ranking under
    test goes into them (``--calibrate``, see :func:`calibrate`): the gradient staging rate (s2e1
    minus s1e1: one more staging of the whole gradient per micro-batch), ZeRO-3's work per module
-   pass (s3e1 minus s1e1, less the staging they differ by) and the expert loop's two rates (s1e1 with 8, 4 and 2 experts: the reference block
-   and AutoEP's layer without grouped GEMM both loop over slices of fused expert tensors,
+   pass (s3e1 minus s1e1, less the staging they differ by) and the expert loop's two rates (s1e1
+   with 8, 4 and 2 experts: the reference block and AutoEP's layer without grouped GEMM both loop
+   over slices of fused expert tensors,
    ``ModelShape(expert_loop="slices")``). Host work is CPU time: where ranks share cores it
    stretches as the matmul does, so the calibration is scaled by one rank's matmul rate over this
-   run's (1.0 on 2 ranks on 2 cores; 2.1-2.4 on 4 in the README's runs).
+   run's (1.07 on 2 ranks on 2 cores; 1.89-2.20 on 4 in the README's runs).
    Printed: predicted and measured seconds and ranks per setup, and Spearman's rank correlation
    (average ranks for ties, written here: no scipy in this environment).
 
@@ -323,8 +324,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--calibrate", action="store_true",
                         help="one rank, no communication: measure the gradient staging rate (s2e1 minus s1e1), "
-                             "ZeRO-3's host work per module pass (s3e1 minus s1e1) and the expert loop's two rates (s1e1 with all, half and a quarter of the "
-                             "experts); write them to --json")
+                             "ZeRO-3's host work per module pass (s3e1 minus s1e1) and the expert loop's two "
+                             "rates (s1e1 with all, half and a quarter of the experts); write them to --json")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="the --json file of a --calibrate run (default: the model's GPU assumptions)")
     args = parser.parse_args()
@@ -346,6 +347,9 @@ def main() -> int:
     contention = 1.0
     if args.calibration is not None:
         cal = json.loads(args.calibration.read_text())
+        if "gradient_staging_bandwidth" not in cal:
+            raise SystemExit(f"{args.calibration} comes from an older --calibrate run without the gradient "
+                             "staging rate: run --calibrate again")
         contention = max(1.0, cal["flops_per_second"] / compute["flops_per_second"])
         extra = {"zero3_module_seconds": cal["zero3_module_seconds"] * contention,
                  "expert_loop_seconds": cal["expert_loop_seconds"] * contention,

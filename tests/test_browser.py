@@ -107,7 +107,8 @@ class Lab:
             "   window.tshIdle = null; return false; }"
             " if (next < 0) return 'done';"
             " const key = next + ':' + code[next - 1].model.executionCount;"
-            " if (!window.tshIdle || window.tshIdle.key !== key) { window.tshIdle = {key, since: Date.now()}; return false; }"
+            " if (!window.tshIdle || window.tshIdle.key !== key) {"
+            "   window.tshIdle = {key, since: Date.now()}; return false; }"
             " if (Date.now() - window.tshIdle.since < 10000) return false;"
             " return 'stopped after cell ' + (next - 1) + ':\\n' + code[next - 1].node.innerText; }",
             timeout=RUN_TIMEOUT * 1000, polling=500).json_value()

@@ -373,6 +373,6 @@ def format_seconds(seconds: float) -> str:
 
 
 __all__ = ["EXPERT_LOOPS", "INFINIBAND", "NVLINK", "Hardware", "Link", "ModelShape", "StepTime", "autoep_loop",
-           "bus_factor", "expert_loop_of", "expert_loop_time", "flops_per_token", "format_seconds", "gradient_staging_time",
-           "group_ranks", "looped_experts", "module_count", "partition_elements", "predict_step_time",
-           "rank_gradient_elements", "setup_step_time", "spans_nodes"]
+           "bus_factor", "expert_loop_of", "expert_loop_time", "flops_per_token", "format_seconds",
+           "gradient_staging_time", "group_ranks", "looped_experts", "module_count", "partition_elements",
+           "predict_step_time", "rank_gradient_elements", "setup_step_time", "spans_nodes"]
