@@ -1,0 +1,82 @@
+"""Integrity of the real explain corpus (``tests/fixtures/explain_corpus``), read only.
+
+The corpus was collected blind from public threads and split into a development and a test half
+by a hash of each sample's URL when it was saved, so nothing in the test half can be tuned on.
+These checks keep the manifest honest: every file it lists exists and no saved file is unlisted,
+every label is a real knowledge-base id (or ``none`` / ``healthy``), every sample has its source
+and the thread's conclusion, the split follows the stated rule, and the corpus keeps the size the
+issue asks for. How explain scores on it is measured by ``benchmarks/explain_corpus.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_zeromoe.knowledge.load import load_entries
+
+CORPUS = Path(__file__).parent / "fixtures" / "explain_corpus"
+MANIFEST = json.loads((CORPUS / "manifest.json").read_text(encoding="utf-8"))
+SAMPLES = MANIFEST["samples"]
+FIELDS = ("file", "half", "url", "project", "date", "forms", "thread_conclusion", "conclusion_source",
+          "label", "kind")
+
+
+def _half_of(url: str) -> str:
+    return "dev" if hashlib.sha256(url.encode("utf-8")).digest()[0] % 2 == 0 else "test"
+
+
+def test_split_rule_is_stated_and_followed() -> None:
+    assert "sha256" in MANIFEST["split_rule"] and "% 2 == 0" in MANIFEST["split_rule"]
+    wrong = [s["file"] for s in SAMPLES if s["half"] != _half_of(s["url"]) or not s["file"].startswith(s["half"] + "/")]
+    assert wrong == [], f"samples not in the half their URL hashes to: {wrong}"
+
+
+def test_every_sample_is_complete_and_sourced() -> None:
+    for s in SAMPLES:
+        missing = [f for f in FIELDS if not s.get(f)]
+        assert missing == [], f"{s.get('file')}: missing {missing}"
+        assert re.match(r"https://\S+$", s["url"]), f"{s['file']}: not a URL: {s['url']!r}"
+        assert isinstance(s["forms"], list) and all(isinstance(f, str) and f for f in s["forms"]), s["file"]
+
+
+def test_files_listed_exist_once_and_nothing_unlisted() -> None:
+    listed = [s["file"] for s in SAMPLES]
+    assert len(listed) == len(set(listed)), "a file is listed twice"
+    on_disk = sorted(str(p.relative_to(CORPUS)) for half in ("dev", "test") for p in (CORPUS / half).glob("*.txt"))
+    assert sorted(listed) == on_disk
+    for name in listed:
+        assert (CORPUS / name).read_text(encoding="utf-8").strip(), f"{name} is empty"
+
+
+def test_numbering_is_unique() -> None:
+    numbers = [Path(s["file"]).name.split("_", 1)[0] for s in SAMPLES]
+    assert all(re.fullmatch(r"\d{3}", n) for n in numbers)
+    assert len(numbers) == len(set(numbers))
+
+
+def test_labels_are_knowledge_base_ids_and_kinds_agree() -> None:
+    ids = {entry.id for entry in load_entries()}
+    for s in SAMPLES:
+        if s["label"] == "healthy":
+            assert s["kind"] == "healthy", s["file"]
+        elif s["label"] == "none":
+            assert s["kind"] == "unknown", s["file"]
+        else:
+            assert s["label"] in ids, f"{s['file']}: {s['label']!r} is not a knowledge-base id"
+            assert s["kind"] == "known", s["file"]
+
+
+@pytest.mark.parametrize("half", ["dev", "test", None])
+def test_corpus_has_the_size_the_issue_asks_for(half: str | None) -> None:
+    picked = [s for s in SAMPLES if half is None or s["half"] == half]
+    kinds = [s["kind"] for s in picked]
+    if half is None:
+        assert kinds.count("known") + kinds.count("unknown") >= 60
+        assert kinds.count("healthy") >= 15
+    else:  # each half holds every kind, so each can be measured on its own
+        assert kinds.count("known") >= 10 and kinds.count("unknown") >= 5 and kinds.count("healthy") >= 3
