@@ -1,0 +1,80 @@
+"""The documentation site builds strictly, and its generated pages are what the generators give.
+
+``mkdocs build --strict`` (mkdocs.yml: ``validation`` warns on a broken link, a missing anchor, a page
+outside the nav, an absolute link; ``strict`` turns every warning into a failure) runs as a real
+subprocess into a temporary directory. The error index must hold one anchor per knowledge-base
+entry, and the compatibility table must be what ``scripts/gen_docs.py`` derives from pyproject.toml
+and ``lightning_zeromoe/compat.py``: regenerate both with ``python scripts/gen_docs.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]' (scripts/setup.sh test installs it)")
+
+
+def _gen_docs():
+    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_pages_are_what_the_generator_gives() -> None:
+    gen = _gen_docs()
+    for path, text in gen.generated().items():
+        assert path.read_text() == text, (f"{path.relative_to(REPO)} differs from scripts/gen_docs.py's output; "
+                                          "run python scripts/gen_docs.py and commit the result")
+
+
+def test_the_error_index_has_one_anchor_per_knowledge_base_entry() -> None:
+    from lightning_zeromoe.knowledge.load import load_entries
+
+    page = (REPO / "docs" / "reference" / "errors.md").read_text()
+    anchors = re.findall(r"^## \S+ \{#([^}]+)\}$", page, flags=re.MULTILINE)
+    ids = [entry.id for entry in load_entries()]
+    assert sorted(anchors) == sorted(ids), (set(ids) ^ set(anchors))
+    assert len(set(anchors)) == len(anchors)
+
+
+def test_the_compatibility_table_names_every_declared_package() -> None:
+    import tomllib
+
+    gen = _gen_docs()
+    table = (REPO / "docs" / "compatibility.md").read_text().split(gen.COMPAT_START, 1)[1].split(gen.COMPAT_END, 1)[0]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"]) + [r for reqs in project["optional-dependencies"].values() for r in reqs]
+    for req in declared:
+        name = re.match(r"[A-Za-z0-9._-]+", req).group(0).lower()
+        assert f"\n| {name} | `" in table, name
+    from lightning_zeromoe import compat
+
+    assert f"| deepspeed | `>=0.19.8` | dependencies | {compat.CHECKED_AGAINST['deepspeed']} |" in table
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    """A broken link, anchor, nav entry or API reference fails the build (and so this test)."""
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"}
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(REPO / "mkdocs.yml"),
+                          "-d", str(site)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "WARNING" not in log, log[-4000:]
+    errors = (site / "reference" / "errors" / "index.html").read_text()
+    assert 'id="ep-size-divisibility"' in errors
+    api = (site / "reference" / "api" / "index.html").read_text()
+    for path in ("strategy.ZeroMoEStrategy", "discovery.find.MoEPattern", "observe.monitor.ExpertUtilizationMonitor",
+                 "balance.balancer.ExpertBiasBalancer", "observe.comm_ledger.CommLedger", "balance.rules.router_z_loss",
+                 "checkpoint.export.export", "planner.plan.plan"):
+        assert f'id="lightning_zeromoe.{path}"' in api, path
