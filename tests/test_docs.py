@@ -66,8 +66,9 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     """A broken link, anchor, nav entry or API reference fails the build (and so this test)."""
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"}
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(REPO / "mkdocs.yml"),
-                          "-d", str(site)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(REPO / "mkdocs.yml"),
+               "-d", str(site)]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "WARNING" not in log, log[-4000:]
