@@ -61,6 +61,26 @@ def test_the_compatibility_table_names_every_declared_package() -> None:
     assert f"| deepspeed | `>=0.19.8` | dependencies | {compat.CHECKED_AGAINST['deepspeed']} |" in table
 
 
+def readme_links() -> list[tuple[str, str]]:
+    """The README's relative links, as (path, anchor)."""
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [tuple((link.split("#", 1) + [""])[:2]) for link in links if "://" not in link]
+
+
+def test_readme_is_the_front_door() -> None:
+    """At most 250 lines; the demo and test commands first; one quickstart block between its markers."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, len(lines)
+    assert "lightning_zeromoe.demo" in lines[3] and "pytest" in lines[5], lines[:6]
+    text = "\n".join(lines)
+    assert text.count("<!-- quickstart:start -->") == 1 and text.count("<!-- quickstart:end -->") == 1
+    block = text.split("<!-- quickstart:start -->", 1)[1].split("<!-- quickstart:end -->", 1)[0].strip()
+    assert block.startswith("```python") and block.endswith("```")
+    compile(block.removeprefix("```python").removesuffix("```"), "README quickstart", "exec")
+    assert readme_links()
+
+
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     """A broken link, anchor, nav entry or API reference fails the build (and so this test)."""
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]' (scripts/setup.sh test installs it)")
@@ -75,6 +95,14 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     errors = (site / "reference" / "errors" / "index.html").read_text()
     assert 'id="ep-size-divisibility"' in errors
     api = (site / "reference" / "api" / "index.html").read_text()
+    # The README is not part of the site: its links into docs/ are checked against the built pages.
+    for target, anchor in readme_links():
+        assert (REPO / target).exists(), target
+        if target.startswith("docs/") and target.endswith(".md"):
+            page = target[len("docs/"):-len(".md")]
+            html = site / (page[:-len("index")] if page.endswith("index") else page + "/") / "index.html"
+            assert html.exists(), (target, html)
+            assert not anchor or f'id="{anchor}"' in html.read_text(), f"README links to {target}#{anchor}: no such anchor"
     for path in ("strategy.ZeroMoEStrategy", "discovery.find.MoEPattern", "observe.monitor.ExpertUtilizationMonitor",
                  "balance.balancer.ExpertBiasBalancer", "observe.comm_ledger.CommLedger", "balance.rules.router_z_loss",
                  "checkpoint.export.export", "planner.plan.plan"):
