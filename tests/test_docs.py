@@ -86,7 +86,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]' (scripts/setup.sh test installs it)")
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(REPO), "NO_MKDOCS_2_WARNING": "1"}
-    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(REPO / "mkdocs.yml"),
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"),
                "-d", str(site)]
     out = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     log = out.stdout + out.stderr
