@@ -4,7 +4,7 @@ For each world size, one ``torch.distributed.run`` launch of ``tests/jobs/comm_l
 trains the listed setups on raw DeepSpeed engines with the config ``ZeroMoEStrategy`` builds and
 ``CommLedger`` installed (3 optimizer steps each, the tiny MoE of the job: hidden 64, 2 MoE layers
 of 4 experts top-2, 4 x 32 tokens per micro-batch), and ``lightning_zeromoe.planner.comm``
-predicts the same step from the model's parameter sizes and the config. Prints the README's table:
+predicts the same step from the model's parameter sizes and the config. Prints the table of docs/concepts/models.md:
 the ledger's bytes of the last step (averaged over ranks), the prediction, their ratio, and the
 worst (collective, group) cell; then whether the ledger's call counts equal those the step-time
 model charges latency for. Setup names: ``s<stage>e<ep_size>`` with optional ``a<accumulation>``,

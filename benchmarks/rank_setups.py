@@ -33,7 +33,7 @@ Method, in one launch (``torch.distributed.run``, gloo):
    over slices of fused expert tensors,
    ``ModelShape(expert_loop="slices")``). Host work is CPU time: where ranks share cores it
    stretches as the matmul does, so the calibration is scaled by one rank's matmul rate over this
-   run's (1.07 on 2 ranks on 2 cores; 1.89-2.20 on 4 in the README's runs).
+   run's (1.07 on 2 ranks on 2 cores; 1.89-2.20 on 4 in the runs of docs/concepts/models.md).
    Printed: predicted and measured seconds and ranks per setup, and Spearman's rank correlation
    (average ranks for ties, written here: no scipy in this environment).
 

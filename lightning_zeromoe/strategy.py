@@ -91,7 +91,9 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         overlap_comm: Overlap gradient reduction with backward.
         contiguous_gradients: Copy gradients into one buffer as they are produced (less
             fragmentation).
-        reduce_bucket_size, allgather_bucket_size, prefetch_bucket_size: In elements; 5e7 by default.
+        reduce_bucket_size: Gradient reduction bucket, in elements (not bytes); 5e7 by default.
+        allgather_bucket_size: Stage 1/2 parameter all-gather bucket, in elements; 5e7 by default.
+        prefetch_bucket_size: Stage 3 parameter prefetch bucket, in elements; 5e7 by default.
         param_persistence_threshold: Stage 3 keeps parameters smaller than this unpartitioned
             (DeepSpeed's default 1e5). Set 0 to shard everything.
         gather_16bit_weights_on_save: Gather a consolidated 16-bit state dict when saving

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Create .venv and install lightning-zeromoe with the right torch for this machine.
 #   bash scripts/setup.sh        # the package + Hugging Face extra (runs the demo)
-#   bash scripts/setup.sh test   # ... + the test extra
+#   bash scripts/setup.sh test   # ... + the test and docs extras
 # torch comes first: a bare `pip install torch` (or deepspeed pulling it in) fetches a multi-GB CUDA
 # build even on machines without a GPU. Override with TORCH_SPEC / TORCH_INDEX_URL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="hf"
-[ "${1:-}" = "test" ] && extras="hf,test"
+[ "${1:-}" = "test" ] && extras="hf,test,docs"
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 

@@ -1,4 +1,4 @@
-"""Every Hugging Face MoE family trains under ``ZeroMoEStrategy(ep_size=2)`` at parity, and the README says how.
+"""Every Hugging Face MoE family trains under ``ZeroMoEStrategy(ep_size=2)`` at parity, and the docs say how.
 
 One ``torchrun --nproc_per_node 2`` launch of ``tests/jobs/hf_zoo_parity.py`` trains every family
 of ``tests/support/hf_zoo.py`` (one Trainer per family, real DeepSpeed ZeRO-3 on 2 CPU ranks, AutoEP where
@@ -15,7 +15,7 @@ carry non-zero routing biases, as pretrained ones do. In the same launch, a seco
 the routers per rank (rank 0's tokens to the first experts, rank 1's to the last) under ep_size=1
 and under the fallback, and must finish.
 
-The coverage table in README.md (between the ``coverage`` markers) is generated from the run:
+The coverage table in docs/reference/coverage.md (between the ``coverage`` markers) is generated from the run:
 the test fails if the committed table differs. Regenerate with
 ``ZEROMOE_WRITE_COVERAGE=1 pytest tests/test_hf_coverage.py``. Families that the installed
 transformers registers but ``hf_zoo`` has no tiny config for are listed as untested. The table
@@ -39,9 +39,9 @@ from support.jobs import JOBS, REPO, free_port, job_env
 
 import subprocess
 
-README = REPO / "README.md"
+COVERAGE_PAGE = REPO / "docs" / "reference" / "coverage.md"
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
-#: Measured worst per-step relative loss gap over all families (see the README): ~1e-6.
+#: Measured worst per-step relative loss gap over all families (see docs/reference/coverage.md): ~1e-6.
 REL_TOL = 1e-4
 #: Exported model's logits vs what ``trainer.validate`` computed after fit, relative to the
 #: largest logit: measured worst 3e-7 (fp32, same weights; only the kernels differ).
@@ -54,7 +54,7 @@ TIMEOUT_S = 900
 #: 3-D w1/w3/w2 back to w1/v1/w2) and ERNIE-4.5's [1, E] bias (AutoEP's [E] back to [1, E]).
 RESUMED = ("hunyuan_v1_moe", "afmoe", "deepseek_v3", "qwen2_moe", "dbrx", "ernie4_5_moe")
 #: A subset for a short run, e.g. ``ZEROMOE_ZOO_ARCHS="mixtral qwen3_moe"`` (CI's smoke run on the
-#: oldest supported transformers): only those families, no README comparison.
+#: oldest supported transformers): only those families, no comparison with the coverage page.
 SELECTED = tuple(os.environ.get("ZEROMOE_ZOO_ARCHS", "").split()) or ARCHS
 UNEVEN = tuple(u for u in ("olmoe:1", "gpt_oss:2") if u.split(":")[0] in SELECTED)
 
@@ -87,7 +87,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def _verdict(result: dict[str, Any]) -> str:
-    """What a user of this family gets, in the README's words."""
+    """What a user of this family gets, in the coverage page's words."""
     if result["arch"] in FAILING:
         return f"fails: {FAILING[result['arch']][1]}"
     if result["arch"] in REFUSED:
@@ -213,24 +213,24 @@ def coverage_table(zoo: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def test_readme_coverage_table_is_what_the_run_produced(zoo: dict[str, Any]) -> None:
+def test_coverage_page_table_is_what_the_run_produced(zoo: dict[str, Any]) -> None:
     if SELECTED != ARCHS:
         pytest.skip(f"ZEROMOE_ZOO_ARCHS selects {len(SELECTED)} of {len(ARCHS)} families")
     table = coverage_table(zoo)
-    text = README.read_text()
-    assert START in text and END in text, f"README.md has no {START} ... {END} block"
+    text = COVERAGE_PAGE.read_text()
+    assert START in text and END in text, f"docs/reference/coverage.md has no {START} ... {END} block"
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     fresh = f"{head}{START}\n{table}\n{END}{tail}"
     if os.environ.get("ZEROMOE_WRITE_COVERAGE") == "1":
-        README.write_text(fresh)
+        COVERAGE_PAGE.write_text(fresh)
         text = fresh
     committed = text.split(START, 1)[1].split(END, 1)[0].strip().splitlines()[0]
     if committed != _generated_with():
         # Another transformers has other types (5.23 and 5.24 added six): the table is for the one CI
         # installs, the newest the `test` extra allows. The families above still ran and were checked.
-        pytest.skip(f"README's table says '{committed}', this run: '{_generated_with()}'")
-    assert fresh == text, ("README.md's coverage table differs from this run; regenerate it with "
+        pytest.skip(f"the coverage page's table says '{committed}', this run: '{_generated_with()}'")
+    assert fresh == text, ("docs/reference/coverage.md's table differs from this run; regenerate it with "
                            "ZEROMOE_WRITE_COVERAGE=1 pytest tests/test_hf_coverage.py and commit it.\n" + table)
 
 

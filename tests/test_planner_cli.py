@@ -137,17 +137,26 @@ def test_bad_input_is_one_line_with_its_entry_and_exit_2(tmp_path, case, entry):
     assert matches and matches[0].entry.id == entry, [m.entry.id for m in matches]
 
 
-def test_readme_tables_are_what_the_cli_prints():
-    """The README's Mixtral-8x7B and Qwen3-30B-A3B tables come from the configs under examples/configs
-    (in this process: the CLI's own functions, with the arguments the README's command gives)."""
+def test_planning_page_tables_are_what_the_cli_prints():
+    """The planning guide's Mixtral-8x7B and Qwen3-30B-A3B tables, each recommendation line and the
+    Trainer line to paste come from the configs under examples/configs (in this process: the CLI's own
+    functions, with the arguments the page's command gives); so do the ``--mixtral-8x7b`` tables."""
     from lightning_zeromoe.planner import cli as planner_cli
+    from lightning_zeromoe.planner.reports import mixtral_report
 
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "guides" / "planning.md").read_text()
+    for line in mixtral_report(num_gpus=8, gpu_memory_gb=80.0).splitlines():
+        if line.startswith("|"):
+            assert line in page, line
     for config in ("mixtral-8x7b", "qwen3-30b-a3b"):
         facts = planner_cli.model_facts(planner_cli.load_config(str(REPO / "examples/configs" / f"{config}.json")))
         for gpus in (8, 16):
             args = planner_cli.build_parser().parse_args([
                 "--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80", "--seq-len", "4096", "--micro-batch",
                 "1", "--activation-checkpointing"])
-            table = "\n".join(line for line in planner_cli.report(facts, args).splitlines() if line.startswith("|"))
-            assert table.count("\n") >= 10 and table in readme, (config, gpus, table)
+            lines = planner_cli.report(facts, args).splitlines()
+            table = "\n".join(line for line in lines if line.startswith("|"))
+            recommendation = next(line for line in lines if line.startswith("Recommendation:"))
+            paste = next(line for line in lines if line.startswith("trainer = L.Trainer("))
+            assert recommendation in page and paste in page, (config, gpus, recommendation, paste)
+            assert table.count("\n") >= 10 and table in page, (config, gpus, table)

@@ -30,7 +30,7 @@ its partitions plus one expert's weight conversion. Transformers' own key handli
 ``gate_up_proj``) and ``base_model_prefix`` renaming run first. The original loader is used instead
 for NVMe parameter offload (partitions live on disk).
 
-Measured in ``benchmarks/load_memory.py`` (see the README). The DeepSpeed internals read here
+Measured in ``benchmarks/load_memory.py`` (docs/benchmarks.md). The DeepSpeed internals read here
 (``ds_tensor``, ``ds_numel``, ``ds_shape``, ``ds_status``, ``ds_process_group``) and the transformers
 function replaced are all named in :data:`PRIVATE_NAMES`; ``tests/test_hf_loading.py`` fails when
 an upgrade removes one.

@@ -137,9 +137,9 @@ class ExpertUtilizationMonitor(L.Callback):
             routing fluctuates (the seeds: the first few hundred steps are noisy); 1 alarms at once.
         dead_steps: An expert that receives no token for this many steps is reported dead.
         stop_on_collapse: Also stop training (``trainer.should_stop``) when an alarm fires.
-        aux_loss_key, task_loss_key: ``trainer.callback_metrics`` names of the aux and task loss
-            (``TinyMoEModule`` logs ``train/aux_loss`` and ``train/task_loss``). Their mean over the
-            window is logged as ``<prefix>/aux_loss`` and ``<prefix>/task_loss``.
+        aux_loss_key: ``trainer.callback_metrics`` name of the aux loss (``TinyMoEModule`` logs
+            ``train/aux_loss``). Its mean over the window is logged as ``<prefix>/aux_loss``.
+        task_loss_key: The same for the task loss (``train/task_loss``; logged as ``<prefix>/task_loss``).
         top_k: Experts per token; read from the MoE layers or the model's config when None.
         prefix: Metric name prefix.
         heatmap: Also log each window's per-layer x per-expert load as an image
