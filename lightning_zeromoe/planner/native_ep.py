@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from lightning_zeromoe.planner.comm import KINDS
-from lightning_zeromoe.planner.links import bus_factor, group_size, spans_nodes
+from lightning_zeromoe.planner.links import bus_factor, group_size, ranks_per_node, spans_nodes
 from lightning_zeromoe.planner.setups import normalize_precision
 from lightning_zeromoe.planner.step_time import Hardware
 
@@ -340,7 +340,8 @@ def comm_seconds(comm: NativeComm, layout: NativeLayout, hardware: Hardware, gpu
     total = 0.0
     for (collective, group), nbytes in comm.bytes.items():
         n = group_size(group, layout.world, layout.ep_size)
-        link = hardware.link(collective, spans_nodes(group, layout.world, layout.ep_size, gpus_per_node), n)
+        link = hardware.link(collective, spans_nodes(group, layout.world, layout.ep_size, gpus_per_node), n,
+                             ranks_per_node(group, layout.world, layout.ep_size, gpus_per_node))
         total += nbytes * bus_factor(collective, n) / link.bandwidth + comm.calls[(collective, group)] * link.latency
     return total
 
