@@ -101,13 +101,24 @@ def test_bytes_per_step_are_what_fsdp2_and_the_dispatch_pass(launched, run, ep_s
 
 @pytest.mark.parametrize("config", ["mixtral-8x7b", "qwen3-30b-a3b"])
 def test_planner_prints_both_layouts_side_by_side(config):
+    """``--compare-native`` for Mixtral-8x7B and Qwen3-30B-A3B on 8 and 16 GPUs (in process, the CLI's own
+    functions): every valid ep_size, the states the native model gives, the differences by design, and the
+    printout is the one docs/choosing-layouts.md carries."""
     from lightning_zeromoe.planner import cli
 
     facts = cli.model_facts(cli.load_config(str(REPO / "examples/configs" / f"{config}.json")))
+    page = (REPO / "docs/choosing-layouts.md").read_text()
     for gpus in (8, 16):
-        args = cli.build_parser().parse_args(["--gpus", str(gpus), "--gpus-per-node", "8", "--seq-len", "4096",
+        args = cli.build_parser().parse_args(["--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80",
+                                              "--seq-len", "4096", "--micro-batch", "1",
                                               "--activation-checkpointing", "--compare-native"])
         text = cli.report(facts, args)
+        # docs/choosing-layouts.md carries this printout: both tables and the two summary lines
+        tables = re.findall(r"((?:^\|.*\n?)+)", text, re.M)
+        assert len(tables) == 2, (config, gpus)
+        for part in tables + [line for line in text.splitlines() if line.startswith(("Peer's fastest", "Ours: "))]:
+            assert part.strip() in page, (config, gpus, part[:200])
+        assert f"--config examples/configs/{config}.json --gpus {gpus} " in page
         rows = re.findall(r"^\| (\d+) \| (FSDP2[^|]*?) \| ([\d.]+) \| ([\d.]+) \| (yes|no) \|", text, re.M)
         eps = sorted({int(e) for e, *_ in rows})
         assert eps == [e for e in cli.valid_ep_sizes(facts.num_experts, gpus)], (config, gpus, eps)

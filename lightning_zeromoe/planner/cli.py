@@ -353,7 +353,8 @@ class NativeRow:
 
 def native_rows(facts: ModelFacts, args: argparse.Namespace, ours: list[Row]) -> list[NativeRow]:
     """The peer's two setups (on the device, ``fsdp_cpu_offload``) at every ``ep_size`` of ``ours``.
-    The peak adds the same activation estimate as ours and FSDP2's gathered units to the states."""
+    The peak (:meth:`NativeStates.peak`) adds to the states the same activation estimate as ours and
+    FSDP2's gathered units in backward, or AdamW's temporary in the update, whichever is larger."""
     from lightning_zeromoe.planner import native_ep
     from lightning_zeromoe.planner.step_time import ModelShape, flops_per_token
 
@@ -376,7 +377,7 @@ def native_rows(facts: ModelFacts, args: argparse.Namespace, ours: list[Row]) ->
         act = mine.plan.activations.total if mine.plan.activations else 0.0
         for offload in (False, True):
             states = native_ep.native_states(units, layout, args.precision, offload=offload)
-            peak = states.device_total + states.gathered + act
+            peak = states.peak(act)
             time = native_ep.native_step_time(units, layout, comm, hardware, flops=flops, gpus_per_node=per_node,
                                               precision=args.precision, accumulation=args.accumulation,
                                               offload=offload)

@@ -236,10 +236,18 @@ class NativeStates:
     #: Unsharded parameters and gradients live during a step: two layers' units gathered (the one
     #: computing and the one prefetched), the kept norm and head, and one layer's full gradients.
     gathered: float
+    #: What torch's AdamW adds while it runs on the device (``adam.py::_multi_tensor_adam``, the foreach
+    #: path on GPUs: ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``): one fp32 copy of the shard.
+    step_scratch: float = 0.0
 
     @property
     def device_total(self) -> float:
         return self.params + self.grads + self.optimizer
+
+    def peak(self, activations: float = 0.0) -> float:
+        """The larger of backward (states, ``activations`` and the gathered units) and the optimizer
+        update (states and AdamW's temporary); the peak of the peer's step, modelled, not measured."""
+        return self.device_total + max(self.gathered + activations, self.step_scratch)
 
 
 def native_states(units: tuple[NativeUnit, ...], layout: NativeLayout, precision: str = "bf16", *,
@@ -262,8 +270,10 @@ def native_states(units: tuple[NativeUnit, ...], layout: NativeLayout, precision
     largest = max(per_layer.values(), default=0)
     kept = sum(unsharded_elements(u, layout) for u in units if u.name and not u.reshard_after_forward)
     gathered = 2 * largest * bytes_.gathered + kept * bytes_.gathered + largest * (bytes_.gathered + bytes_.reduced)
+    scratch = 0.0 if offload else held * 4.0
     return NativeStates(setup=NATIVE_SETUPS[1] if offload else NATIVE_SETUPS[0], params=params, grads=grads,
-                        optimizer=opt, host=host, dense=dense * per, expert=expert * per, gathered=gathered)
+                        optimizer=opt, host=host, dense=dense * per, expert=expert * per, gathered=gathered,
+                        step_scratch=scratch)
 
 
 # --------------------------------------------------------------------------------- communication
