@@ -257,18 +257,38 @@ def table(rows: list[Row]) -> str:
     """Markdown: per-GPU GB (10^9 bytes) and predicted GB per optimizer step passed to collectives
     (gradient reductions, parameter gathers, AutoEP's all-to-all; the total adds the few bytes of
     norms and flags). Offload rows appear for an ep_size only when no on-device setup fits there."""
+    return render_table([TableRow(r.ep_size, r.setup.label, r.states, r.total, r.plan.fits(r.setup),
+                                  r.setup.offload_optimizer, r.comm, r.time.total) for r in rows])
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One line of the planner's tables (ours and the peer's)."""
+
+    ep_size: int
+    label: str
+    states: float
+    peak: float
+    fits: bool
+    offload: bool
+    comm: Any  # anything with by_kind() and total
+    seconds: float
+
+
+def render_table(rows: list[TableRow]) -> str:
+    """Markdown of :class:`TableRow` s; offload rows only at an ep_size where no on-device row fits."""
     out = ["| ep_size | setup | model states | peak | fits | comm/step: grads | params | all-to-all "
            "| total | step time |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for ep in sorted({r.ep_size for r in rows}):
         mine = [r for r in rows if r.ep_size == ep]
-        on_device_fits = any(r.plan.fits(r.setup) for r in mine if not r.setup.offload_optimizer)
+        on_device_fits = any(r.fits for r in mine if not r.offload)
         for r in mine:
-            if r.setup.offload_optimizer and on_device_fits:
+            if r.offload and on_device_fits:
                 continue
             k = r.comm.by_kind()
-            out.append(f"| {ep} | {r.setup.label} | {r.states / GB:.1f} | {r.total / GB:.1f} | "
-                       f"{'yes' if r.plan.fits(r.setup) else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
-                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} | {format_seconds(r.time.total)} |")
+            out.append(f"| {ep} | {r.label} | {r.states / GB:.1f} | {r.peak / GB:.1f} | "
+                       f"{'yes' if r.fits else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
+                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} | {format_seconds(r.seconds)} |")
     return "\n".join(out)
 
 
@@ -405,19 +425,8 @@ DESIGN_DIFFERENCES = (
 
 def native_table(rows: list[NativeRow]) -> str:
     """Markdown, the columns of :func:`table` for the peer."""
-    out = ["| ep_size | setup | model states | peak | fits | comm/step: grads | params | all-to-all | total "
-           "| step time |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for ep in sorted({r.ep_size for r in rows}):
-        mine = [r for r in rows if r.ep_size == ep]
-        on_device_fits = any(r.fits for r in mine if not r.states.host)
-        for r in mine:
-            if r.states.host and on_device_fits:
-                continue
-            k = r.comm.by_kind()
-            out.append(f"| {ep} | {r.states.setup} | {r.states.device_total / GB:.1f} | {r.peak / GB:.1f} | "
-                       f"{'yes' if r.fits else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
-                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} | {format_seconds(r.time.total)} |")
-    return "\n".join(out)
+    return render_table([TableRow(r.ep_size, r.states.setup, r.states.device_total, r.peak, r.fits, bool(r.states.host),
+                                  r.comm, r.time.total) for r in rows])
 
 
 def native_report(facts: ModelFacts, args: argparse.Namespace, ours: list[Row]) -> str:
@@ -527,5 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\nRecommendation: " + p.recommend().reason)
 
 
-__all__ = ["ModelFacts", "PlannerInputError", "Row", "add_arguments", "build_parser", "main", "load_config", "model_facts", "plan_all",
-           "ranked_fitting", "recommend", "report", "run_hf", "valid_ep_sizes"]
+__all__ = ["DESIGN_DIFFERENCES", "ModelFacts", "NativeRow", "PlannerInputError", "Row", "TableRow", "add_arguments",
+           "build_parser", "main", "load_config", "model_facts", "native_report", "native_rows", "native_table",
+           "native_tensors", "plan_all", "ranked_fitting", "recommend", "render_table", "report", "run_hf",
+           "valid_ep_sizes"]

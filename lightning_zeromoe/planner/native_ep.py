@@ -52,7 +52,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from lightning_zeromoe.planner.comm import KINDS
+from lightning_zeromoe.planner.comm import kind_totals
 from lightning_zeromoe.planner.links import bus_factor, group_size, ranks_per_node, spans_nodes
 from lightning_zeromoe.planner.setups import normalize_precision
 from lightning_zeromoe.planner.step_time import Hardware
@@ -293,10 +293,7 @@ class NativeComm:
         return sum(self.bytes.values())
 
     def by_kind(self) -> dict[str, float]:
-        out = dict.fromkeys(KINDS, 0.0)
-        for key, value in self.bytes.items():
-            out[self.kinds[key]] += value
-        return out
+        return kind_totals(self.bytes, self.kinds)
 
     def _add(self, collective: str, group: str, nbytes: float, calls: int, kind: str) -> None:
         if nbytes <= 0:
@@ -398,4 +395,5 @@ def native_step_time(units: tuple[NativeUnit, ...], layout: NativeLayout, comm: 
 
 __all__ = ["NATIVE_SETUPS", "NativeComm", "NativeLayout", "NativePrecision", "NativeStates", "NativeStepTime",
            "NativeTensor", "NativeTraffic", "NativeUnit", "comm_seconds", "fsdp_units", "gathered_elements",
-           "local_elements", "local_rows", "native_comm", "native_states", "native_step_time", "padded_elements", "unsharded_elements"]
+           "local_elements", "local_rows", "native_comm", "native_states", "native_step_time", "padded_elements",
+           "unsharded_elements"]
