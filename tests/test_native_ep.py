@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from support.example_facts import example_facts
 from support.jobs import REPO, free_port, read_ranks, run_job
 from lightning_zeromoe.planner import native_ep
 from lightning_zeromoe.planner.native_ep import NativeLayout, NativeTraffic
@@ -106,7 +107,7 @@ def test_planner_prints_both_layouts_side_by_side(config):
     printout is the one docs/choosing-layouts.md carries."""
     from lightning_zeromoe.planner import cli
 
-    facts = cli.model_facts(cli.load_config(str(REPO / "examples/configs" / f"{config}.json")))
+    facts = example_facts(config)
     page = (REPO / "docs/choosing-layouts.md").read_text()
     for gpus in (8, 16):
         args = cli.build_parser().parse_args(["--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80",
