@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from support.example_facts import example_facts
 from support.jobs import REPO
 from lightning_zeromoe.planner import count_params
 
@@ -149,7 +150,7 @@ def test_planning_page_tables_are_what_the_cli_prints():
         if line.startswith("|"):
             assert line in page, line
     for config in ("mixtral-8x7b", "qwen3-30b-a3b"):
-        facts = planner_cli.model_facts(planner_cli.load_config(str(REPO / "examples/configs" / f"{config}.json")))
+        facts = example_facts(config)
         for gpus in (8, 16):
             args = planner_cli.build_parser().parse_args([
                 "--gpus", str(gpus), "--gpus-per-node", "8", "--gpu-gb", "80", "--seq-len", "4096", "--micro-batch",

@@ -27,6 +27,7 @@ from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_
                                              count_params, gather_units, has_qk_norm, is_expert_param)
 from lightning_zeromoe.planner.activations import LatentAttention
 from lightning_zeromoe.planner.layers import LayerMix, layer_mix
+from lightning_zeromoe.planner.native_ep import NativeTensor, NativeUnit, fsdp_units
 from lightning_zeromoe.planner.plan import Plan, plan
 from lightning_zeromoe.planner.reports import mixtral_report
 from lightning_zeromoe.planner.setups import GB, LADDER, Setup
@@ -70,9 +71,18 @@ class ModelFacts:
     qk_norm: bool = False
     latent_attention: LatentAttention | None = None
     mix: LayerMix | None = None
+    #: For the peer's layout (:mod:`~lightning_zeromoe.planner.native_ep`): every trainable tensor with its
+    #: shape, and the model's own ``fsdp_plan`` and ``ep_plan`` (transformers' plans, as (key, style) pairs).
+    native_tensors: tuple[NativeTensor, ...] = ()
+    fsdp_plan: tuple[tuple[str, str], ...] = ()
+    ep_plan: tuple[tuple[str, str], ...] = ()
 
     def units(self, ep_size: int) -> tuple[GatherUnit, ...]:
         return self.units_leaf if ep_size == 1 else self.units_ep
+
+    def native_units(self, ep_size: int) -> tuple[NativeUnit, ...]:
+        """The ``fully_shard`` units transformers' FSDP2 + EP builds for this model at ``ep_size``."""
+        return fsdp_units(self.native_tensors, dict(self.fsdp_plan), dict(self.ep_plan), ep_size)
 
 
 def load_config(config_path: str | None = None, model_type: str | None = None) -> Any:
@@ -139,7 +149,15 @@ def model_facts(config: Any) -> ModelFacts:
                       units_ep=gather_units(model),
                       num_kv_heads=getattr(text, "num_key_value_heads", None) or first(("num_attention_heads",)),
                       qk_norm=has_qk_norm(model), latent_attention=LatentAttention.of(text),
-                      mix=layer_mix(model, first(("hidden_size", "d_model")), first(("num_hidden_layers",))))
+                      mix=layer_mix(model, first(("hidden_size", "d_model")), first(("num_hidden_layers",))),
+                      native_tensors=native_tensors(model), fsdp_plan=tuple(getattr(model, "fsdp_plan", {}).items()),
+                      ep_plan=tuple((getattr(model, "ep_plan", None) or {}).items()))
+
+
+def native_tensors(model: Any) -> tuple[NativeTensor, ...]:
+    """``model``'s trainable tensors with their shapes, for the peer's layout."""
+    return tuple(NativeTensor(name, tuple(int(d) for d in p.shape), is_expert_param(name))
+                 for name, p in model.named_parameters() if p.requires_grad)
 
 
 def _transformers_version() -> str:
@@ -239,18 +257,38 @@ def table(rows: list[Row]) -> str:
     """Markdown: per-GPU GB (10^9 bytes) and predicted GB per optimizer step passed to collectives
     (gradient reductions, parameter gathers, AutoEP's all-to-all; the total adds the few bytes of
     norms and flags). Offload rows appear for an ep_size only when no on-device setup fits there."""
+    return render_table([TableRow(r.ep_size, r.setup.label, r.states, r.total, r.plan.fits(r.setup),
+                                  r.setup.offload_optimizer, r.comm, r.time.total) for r in rows])
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One line of the planner's tables (ours and the peer's)."""
+
+    ep_size: int
+    label: str
+    states: float
+    peak: float
+    fits: bool
+    offload: bool
+    comm: Any  # anything with by_kind() and total
+    seconds: float
+
+
+def render_table(rows: list[TableRow]) -> str:
+    """Markdown of :class:`TableRow` s; offload rows only at an ep_size where no on-device row fits."""
     out = ["| ep_size | setup | model states | peak | fits | comm/step: grads | params | all-to-all "
            "| total | step time |", "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for ep in sorted({r.ep_size for r in rows}):
         mine = [r for r in rows if r.ep_size == ep]
-        on_device_fits = any(r.plan.fits(r.setup) for r in mine if not r.setup.offload_optimizer)
+        on_device_fits = any(r.fits for r in mine if not r.offload)
         for r in mine:
-            if r.setup.offload_optimizer and on_device_fits:
+            if r.offload and on_device_fits:
                 continue
             k = r.comm.by_kind()
-            out.append(f"| {ep} | {r.setup.label} | {r.states / GB:.1f} | {r.total / GB:.1f} | "
-                       f"{'yes' if r.plan.fits(r.setup) else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
-                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} | {format_seconds(r.time.total)} |")
+            out.append(f"| {ep} | {r.label} | {r.states / GB:.1f} | {r.peak / GB:.1f} | "
+                       f"{'yes' if r.fits else 'no'} | {k['grads'] / GB:.2f} | {k['params'] / GB:.2f} | "
+                       f"{k['all_to_all'] / GB:.2f} | {r.comm.total / GB:.2f} | {format_seconds(r.seconds)} |")
     return "\n".join(out)
 
 
@@ -314,6 +352,106 @@ def report(facts: ModelFacts, args: argparse.Namespace) -> str:
         why += (f' stage="auto" at ep_size={best.ep_size} picks ZeRO-3 and names the offload flag that fits '
                 "(it never turns offload on by itself).")
     lines += [why, "", "from lightning_zeromoe import ZeroMoEStrategy", paste_lines(best, args)]
+    if getattr(args, "compare_native", False):
+        lines += ["", native_report(facts, args, rows)]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- the peer's layout
+
+@dataclass(frozen=True)
+class NativeRow:
+    """One setup of transformers' FSDP2 + EP at one ``ep_size`` (:mod:`~lightning_zeromoe.planner.native_ep`)."""
+
+    ep_size: int
+    states: Any  # native_ep.NativeStates
+    peak: float
+    fits: bool
+    comm: Any  # native_ep.NativeComm
+    time: Any  # native_ep.NativeStepTime
+
+
+def native_rows(facts: ModelFacts, args: argparse.Namespace, ours: list[Row]) -> list[NativeRow]:
+    """The peer's two setups (on the device, ``fsdp_cpu_offload``) at every ``ep_size`` of ``ours``.
+    The peak (:meth:`NativeStates.peak`) adds to the states the same activation estimate as ours and
+    FSDP2's gathered units in backward, or AdamW's temporary in the update, whichever is larger."""
+    from lightning_zeromoe.planner import native_ep
+    from lightning_zeromoe.planner.step_time import ModelShape, flops_per_token
+
+    per_node = args.gpus_per_node or args.gpus
+    hardware = hardware_from(args)
+    traffic = native_ep.NativeTraffic(tokens_per_micro_batch=args.micro_batch * args.seq_len, top_k=facts.top_k,
+                                      hidden_size=facts.hidden_size, moe_layers=facts.moe_layers,
+                                      num_experts=facts.num_experts, accumulation=args.accumulation,
+                                      activation_checkpointing=args.activation_checkpointing)
+    out = []
+    for ep in sorted({r.ep_size for r in ours}):
+        mine = next(r for r in ours if r.ep_size == ep)
+        layout = native_ep.NativeLayout(args.gpus, ep)
+        units = facts.native_units(ep)
+        comm = native_ep.native_comm(units, layout, args.precision, traffic)
+        shape = mine.comm.shape
+        flops = flops_per_token(shape, ModelShape(attention_layers=facts.num_layers, seq_len=args.seq_len,
+                                                  attention_width=facts.num_heads * facts.head_dim)) * (
+            shape.tokens_per_micro_batch * shape.accumulation)
+        act = mine.plan.activations.total if mine.plan.activations else 0.0
+        for offload in (False, True):
+            states = native_ep.native_states(units, layout, args.precision, offload=offload)
+            peak = states.peak(act)
+            time = native_ep.native_step_time(units, layout, comm, hardware, flops=flops, gpus_per_node=per_node,
+                                              precision=args.precision, accumulation=args.accumulation,
+                                              offload=offload)
+            out.append(NativeRow(ep, states, peak, peak <= mine.plan.usable_bytes, comm, time))
+    return out
+
+
+#: One line per difference by design between the two layouts, printed under the peer's table.
+DESIGN_DIFFERENCES = (
+    "ZeRO-3 gathers each module's parameters (prefetching up to a bucket ahead, gathering again in backward only "
+    "what the reuse distance released); FSDP2 gathers one flat buffer per unit (a decoder layer, a layer's "
+    "experts) in forward and again in backward: fewer, larger calls.",
+    "FSDP2 shards every tensor on dim 0, the expert dim of fused expert tensors: where an expert-FSDP group has "
+    "more ranks than experts per rank, some ranks hold whole experts and the others padding; ZeRO-3 splits each "
+    "tensor's elements evenly.",
+    "The peer has no ZeRO-1/2 (replicated parameters, partitioned optimizer states) and no optimizer-only "
+    "offload: fsdp_cpu_offload moves parameters, gradients and optimizer states to the host together.",
+    "Mixed precision: ours keeps bf16 weights and gradients plus an fp32 master copy; FSDP2 keeps fp32 parameters "
+    "and gradients (both 16 bytes per parameter with AdamW), gathers bf16 and reduce-scatters fp32 gradients, "
+    "twice the gradient bytes of ours.",
+    "The peer's token dispatch moves the same rows as AutoEP's (its counts are int64); both place expert groups "
+    "on consecutive ranks and the expert-FSDP / expert-data-parallel groups strided.",
+)
+
+
+def native_table(rows: list[NativeRow]) -> str:
+    """Markdown, the columns of :func:`table` for the peer."""
+    return render_table([TableRow(r.ep_size, r.states.setup, r.states.device_total, r.peak, r.fits, bool(r.states.host),
+                                  r.comm, r.time.total) for r in rows])
+
+
+def native_report(facts: ModelFacts, args: argparse.Namespace, ours: list[Row]) -> str:
+    """The peer's table (``--compare-native``), the fastest fitting setup of each side, and the
+    differences by design."""
+    rows = native_rows(facts, args, ours)
+    lines = ["transformers' native FSDP2 + EP (DistributedConfig(fsdp_size=GPUs, ep_size=E, fsdp_mixed_precision="
+             "True); modelled from transformers 5.24's code, lightning_zeromoe/planner/native_ep.py):", "",
+             native_table(rows), ""]
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: r.time.total)
+    per_node = args.gpus_per_node or args.gpus
+    mine = ranked_fitting(ours, per_node, getattr(args, "allow_inter_node_ep", False))
+    theirs = fitting[0] if fitting else None
+    if theirs is None:
+        lines.append("Peer: nothing fits at any ep_size.")
+    else:
+        lines.append(f"Peer's fastest that fits: ep_size={theirs.ep_size}, {theirs.states.setup}: "
+                     f"{theirs.peak / GB:.1f} GB, {theirs.comm.total / GB:.2f} GB/step, "
+                     f"{format_seconds(theirs.time.total)}.")
+    if mine and theirs is not None:
+        best = mine[0]
+        lines.append(f"Ours: ep_size={best.ep_size}, {best.setup.label}: {best.total / GB:.1f} GB, "
+                     f"{best.comm.total / GB:.2f} GB/step, {format_seconds(best.time.total)} "
+                     f"({best.time.total / theirs.time.total:.2f}x the peer's predicted step time).")
+    lines += ["", "Where the layouts differ by design:"] + [f"- {d}" for d in DESIGN_DIFFERENCES]
     return "\n".join(lines)
 
 
@@ -346,6 +484,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per GPU for the step time (default 400)")
     parser.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default 450, NVLink)")
     parser.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s (default 50, IB)")
+    parser.add_argument("--compare-native", action="store_true",
+                        help="also print transformers' native FSDP2 + EP layout (DistributedConfig(fsdp_size=GPUs, "
+                             "ep_size=E)) at the same ep_sizes: memory per GPU, bytes per step, step time, and "
+                             "where the two layouts differ by design")
     parser.add_argument("--expert-loop", choices=EXPERT_LOOPS, default="grouped",
                         help="how the model's MoE blocks run their experts at ep_size=1: grouped GEMMs (transformers "
                              "5's default where it can), a loop over a ModuleList, or a loop over fused-tensor "
@@ -394,5 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\nRecommendation: " + p.recommend().reason)
 
 
-__all__ = ["ModelFacts", "PlannerInputError", "Row", "add_arguments", "build_parser", "main", "load_config", "model_facts", "plan_all",
-           "ranked_fitting", "recommend", "report", "run_hf", "valid_ep_sizes"]
+__all__ = ["DESIGN_DIFFERENCES", "ModelFacts", "NativeRow", "PlannerInputError", "Row", "TableRow", "add_arguments",
+           "build_parser", "main", "load_config", "model_facts", "native_report", "native_rows", "native_table",
+           "native_tensors", "plan_all", "ranked_fitting", "recommend", "render_table", "report", "run_hf",
+           "valid_ep_sizes"]

@@ -109,10 +109,15 @@ class CommPrediction:
         return sum(self.bytes.values())
 
     def by_kind(self) -> dict[str, float]:
-        out = dict.fromkeys(KINDS, 0.0)
-        for key, value in self.bytes.items():
-            out[self.kinds[key]] += value
-        return out
+        return kind_totals(self.bytes, self.kinds)
+
+
+def kind_totals(cells: dict[tuple[str, str], float], kinds: dict[tuple[str, str], str]) -> dict[str, float]:
+    """Bytes per kind (:data:`KINDS`) of cells keyed by (collective, group)."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for key, value in cells.items():
+        out[kinds[key]] += value
+    return out
 
 
 class _Cells:
@@ -229,4 +234,4 @@ def _regathered(shape: CommShape, first: bool) -> tuple[list[int], list[int]]:
     return [n for n, e, _ in again if not e], [n for n, e, _ in again if e]
 
 
-__all__ = ["CommPrediction", "CommShape", "KINDS", "forward_order", "predict", "regathered"]
+__all__ = ["CommPrediction", "CommShape", "KINDS", "forward_order", "kind_totals", "predict", "regathered"]

@@ -23,7 +23,11 @@ communication
     bandwidth ``busbw = algbw * factor`` with ``factor = 2(n-1)/n`` for all-reduce, ``(n-1)/n`` for
     all-gather, reduce-scatter and all-to-all, ``1`` for broadcast (``n``: ranks in the group), so
     ``time = bytes * factor / bandwidth + calls * latency``. A group whose ranks sit on more than
-    one node uses :attr:`Hardware.inter`, otherwise :attr:`Hardware.intra`. Ranks are placed as
+    one node uses :attr:`Hardware.inter` per NIC: a ring collective of a group with ``k`` ranks on each
+    node runs over their ``k`` NICs (``k x inter``, at most ``intra``; the all-to-all over each rank's
+    own: :func:`~lightning_zeromoe.planner.links.spanning_link`); a group inside one node uses
+    :attr:`Hardware.intra`. Ratios between setups are checked against published H100/B200 runs
+    (``tests/test_published_step_times.py``). Ranks are placed as
     DeepSpeed places them: expert-parallel groups are ``ep_size`` consecutive ranks, expert-data-
     parallel groups every ``ep_size``-th rank, the world group all ranks. ``calls`` follows DeepSpeed's
     code and equals the ledger's count on CPU ranks (``tests/test_comm_ledger.py``): stages 1/2 one
@@ -97,7 +101,8 @@ from typing import Any
 
 from lightning_zeromoe.planner.calls import calls_per_step
 from lightning_zeromoe.planner.comm import CommPrediction, CommShape, predict
-from lightning_zeromoe.planner.links import INFINIBAND, NVLINK, Link, bus_factor, group_ranks, group_size, spans_nodes
+from lightning_zeromoe.planner.links import (INFINIBAND, NVLINK, Link, bus_factor, group_ranks, group_size,
+                                             ranks_per_node, spanning_link, spans_nodes)
 from lightning_zeromoe.planner.setups import _PRECISION_BYTES, Setup, normalize_precision
 
 
@@ -145,9 +150,11 @@ class Hardware:
     #: inside one node: for a backend whose collectives differ (gloo on CPU).
     collective_links: tuple[tuple[str, Link], ...] = ()
 
-    def link(self, collective: str, spans_nodes: bool, ranks: int = 0) -> Link:
+    def link(self, collective: str, spans_nodes: bool, ranks: int = 0, per_node: int = 1) -> Link:
+        """The link of a collective on a group of ``ranks`` ranks; across nodes, with ``per_node`` of
+        them on each node (:func:`~lightning_zeromoe.planner.links.spanning_link`)."""
         if spans_nodes:
-            return self.inter
+            return spanning_link(collective, per_node, self.intra, self.inter)
         links = dict(self.collective_links)
         return links.get(f"{collective}/{ranks}", links.get(collective, self.intra))
 
@@ -324,7 +331,7 @@ def predict_step_time(shape: CommShape, hardware: Hardware = Hardware(), *, mode
     for (collective, group), nbytes in prediction.bytes.items():
         n = group_size(group, shape.world, shape.ep_size)
         spans = spans_nodes(group, shape.world, shape.ep_size, per_node)
-        link = hardware.link(collective, spans, n)
+        link = hardware.link(collective, spans, n, ranks_per_node(group, shape.world, shape.ep_size, per_node))
         count = calls.get((collective, group), 1) if n > 1 else 0
         seconds = nbytes * bus_factor(collective, n) / link.bandwidth + count * link.latency
         comm[(collective, group)] = seconds
