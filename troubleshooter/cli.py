@@ -23,7 +23,7 @@ from typing import Sequence
 from rich.console import Console
 
 from lightning_zeromoe import invocation
-from troubleshooter import __version__, explain, lint, render
+from troubleshooter import __version__, examples, explain, lint, render
 from troubleshooter.argtypes import positive_int
 
 __all__ = ["build_parser", "main"]
@@ -112,11 +112,19 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", nargs="?", default="-",
                    help="a log or traceback file, the error message itself (quoted), or '-' "
                         "(default) to read standard input")
+    p.add_argument("--example", choices=examples.names(), metavar="NAME",
+                   help="diagnose a real log bundled with the troubleshooter instead of SOURCE, to see what "
+                        f"explain prints ({', '.join(examples.names())})")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=_run_explain)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
+    if args.example:
+        if args.source != "-":
+            return _input_error(f"explain: give SOURCE or --example, not both (got {args.source!r} and "
+                                f"--example {args.example})", args.json)
+        args.source = examples.path(args.example)
     if args.source == "-" and sys.stdin.isatty():
         return _input_error("explain: give a file, or pipe a log into standard input "
                             f"(python train.py 2>&1 | {invocation.prog('troubleshooter')} explain -)", args.json)
