@@ -3,8 +3,10 @@
     python examples/quickstart.py                  # Qwen/Qwen3-30B-A3B on 8 GPUs, bf16
     MODEL=/path/to/model TEXT=my.txt python examples/quickstart.py
 
-Settings come from environment variables (the defaults are the 8-GPU job). CI runs this same file on
-2 CPU processes with a tiny local model: ACCELERATOR=cpu DEVICES=2 EP_SIZE=2 PRECISION=32-true ...
+Settings come from environment variables; the defaults are the 8-GPU job. Without GPUs, the same file
+runs on 2 CPU processes with a small local model (as CI runs it):
+    MODEL=tiny-moe ACCELERATOR=cpu DEVICES=2 EP_SIZE=2 PRECISION=32-true SEQ=64 MAX_STEPS=4 \
+    python examples/quickstart.py
 """
 import os
 

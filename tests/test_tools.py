@@ -105,3 +105,15 @@ def test_the_cli_reference_page_is_generated(runs):
 ])
 def test_prog_from_argv0(argv0, expected):
     assert invocation.prog("zeromoe-plan", argv0) == expected
+
+
+def test_planner_asks_what_to_plan(capsys):
+    """Options but nothing to plan (no --config/--model-type/--dense/--mixtral-8x7b): an error naming the
+    choices, not the Mixtral report it printed before."""
+    from lightning_zeromoe.planner.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--gpus", "16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "nothing to plan: give --config or --model-type" in err and "--mixtral-8x7b" in err
