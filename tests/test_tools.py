@@ -10,6 +10,7 @@ each is written here the way pip writes it (import the ``[project.scripts]`` tar
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -50,7 +51,6 @@ def runs(tmp_path_factory) -> dict[tuple[str, ...], subprocess.CompletedProcess]
         commands[("-m", script, "--help")] = [sys.executable, "-m", invocation.TOOLS[script], "--help"]
         if script in NEED_ARGUMENTS:
             commands[("script", script)] = [sys.executable, str(bin_dir / script)]
-    commands[("gen", "--check")] = [sys.executable, str(ROOT / "scripts" / "gen_cli_docs.py"), "--check"]
 
     def go(cmd: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=bin_dir)
@@ -86,10 +86,14 @@ def test_no_arguments_prints_the_help(runs, script):
     assert runs[("script", script, "--help")].stdout.split("\n\n", 1)[1] in proc.stderr
 
 
-def test_the_cli_reference_page_is_generated(runs):
-    proc = runs[("gen", "--check")]
-    assert proc.returncode == 0, f"{proc.stderr}\n{proc.stdout[-4000:]}"
+def test_the_cli_reference_page_is_generated(monkeypatch):
+    """The committed page is what ``scripts/gen_cli_docs.py`` writes from the parsers today."""
+    spec = importlib.util.spec_from_file_location("gen_cli_docs", ROOT / "scripts" / "gen_cli_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gen_cli_docs", gen)  # its dataclass looks its module up there
+    spec.loader.exec_module(gen)
     page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert page == gen.render(), "docs/reference/cli.md is out of date: run python scripts/gen_cli_docs.py"
     for script in SCRIPTS:
         assert f"## {script}\n" in page and f"usage: {script} " in page
     for sub in ("doctor", "lint", "explain"):
