@@ -67,6 +67,7 @@ def test_quickstart_on_cpu(tmp_path):
     untrained = _val_loss(tmp_path / "model", tmp_path / "model", seq=64, n=8)
     assert abs(untrained - exported) > 1e-3, (untrained, exported)
 
+
 def test_finetune_pretrained_example(tmp_path):
     """The whole example: train, validate after fit, export to an HF directory, from_pretrained of it."""
     proc = run([sys.executable, str(REPO / "examples" / "finetune_pretrained.py"), "--workdir", str(tmp_path),
