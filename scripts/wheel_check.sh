@@ -45,14 +45,15 @@ assert "ZeroMoEStrategy" in dir(lightning_zeromoe)
 print("wheel_check: imported from", lightning_zeromoe.__file__.rsplit("/", 2)[0], "; py.typed in both packages")
 PY
 
+fail() { cat help.txt; echo "wheel_check: $*"; exit 1; }
 for tool in zeromoe-demo zeromoe-export zeromoe-plan troubleshooter; do
   step "$tool --help"
   "$BIN/$tool" --help > help.txt
-  [[ "$(head -1 help.txt)" == "usage: $tool "* ]] || { cat help.txt; echo "wheel_check: $tool --help does not name $tool"; exit 1; }
+  [[ "$(head -1 help.txt)" == "usage: $tool "* ]] || fail "$tool --help does not name $tool"
 done
-for tool in zeromoe-export zeromoe-plan troubleshooter; do
+for tool in zeromoe-export zeromoe-plan troubleshooter; do  # the tools that need arguments, run bare
   rc=0; "$BIN/$tool" > /dev/null 2> help.txt || rc=$?
-  [ "$rc" = 2 ] && grep -q "^usage: $tool " help.txt || { cat help.txt; echo "wheel_check: bare $tool: exit $rc"; exit 1; }
+  [ "$rc" = 2 ] && grep -q "^usage: $tool " help.txt || fail "bare $tool: exit $rc, not its help and 2"
 done
 "$BIN/troubleshooter" doctor --help > /dev/null
 "$BIN/zeromoe-plan" --mixtral-8x7b > plan.txt  # (a file, not a pipe: grep -q would close it early)

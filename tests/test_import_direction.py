@@ -95,7 +95,8 @@ def test_top_level_exports_are_visible_to_static_tools_and_stay_lazy():
 
     tree = ast.parse((LIBRARY / "__init__.py").read_text(encoding="utf-8"))
     block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
-    static = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    static = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+              for alias in node.names}
     assert static == lightning_zeromoe._LAZY
     for package in ("lightning_zeromoe", "troubleshooter"):  # PEP 561 marker, shipped by package-data
         assert (ROOT / package / "py.typed").is_file()
