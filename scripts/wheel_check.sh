@@ -5,7 +5,8 @@
 #      then the wheel with the hf extra;
 #   3. from a directory outside the repository: every console script's --help, each tool run bare
 #      (help, exit 2), troubleshooter doctor, troubleshooter explain --example cuda_oom, the
-#      py.typed markers, and the demo (zeromoe-demo --steps 5: 2 CPU processes, ZeRO-3 + AutoEP).
+#      py.typed markers, and the demo (zeromoe-demo --steps 5: 2 CPU processes, ZeRO-3 + AutoEP; it
+#      JIT-builds DeepSpeed's CPU comm op once, as a user's first run does).
 #   bash scripts/wheel_check.sh        # PYTHON=python3.11 to pick the interpreter
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,9 @@ bash scripts/install_torch.sh "$VPY"
 
 mkdir "$WORK/user" && cd "$WORK/user"  # not the repository: nothing is imported from the sources
 export NO_COLOR=1 PYTHONWARNINGS=ignore::FutureWarning OMP_NUM_THREADS=1
+# DeepSpeed JIT-builds its CPU comm op against this venv's torch: in a folder of its own, not the shared
+# ~/.cache/torch_extensions, whose build for the repository's .venv it would otherwise replace.
+export TORCH_EXTENSIONS_DIR=$WORK/torch_extensions
 "$VPY" - <<'PY'
 import lightning_zeromoe, troubleshooter
 from importlib import resources
