@@ -10,7 +10,17 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what static tools (IDEs, pyright, mypy) see; at runtime __getattr__ imports on first use
+    from lightning_zeromoe.balance.balancer import ExpertBiasBalancer
+    from lightning_zeromoe.balance.rules import router_z_loss
+    from lightning_zeromoe.discovery.find import MoEPattern
+    from lightning_zeromoe.observe.comm_ledger import CommLedger
+    from lightning_zeromoe.observe.monitor import ExpertUtilizationMonitor
+    from lightning_zeromoe.planner import plan
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM, TinyMoEModule
+    from lightning_zeromoe.strategy import ZeroMoEStrategy
 
 __version__ = "0.1.0"
 
@@ -28,7 +38,13 @@ _LAZY = {
     "router_z_loss": "lightning_zeromoe.balance.rules",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["CommLedger", "ExpertBiasBalancer", "ExpertUtilizationMonitor", "MoEPattern", "TinyMoEConfig", "TinyMoELM",
+           "TinyMoEModule", "ZeroMoEStrategy", "plan", "router_z_loss"]  # a literal, for static tools; == sorted(_LAZY)
+
+
+def __dir__() -> list[str]:
+    """The module's own names and the lazy exports, which exist before their first use."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """The demo: train the tiny MoE with ZeRO-3 + expert parallelism, then show what happened.
 
-    python -m lightning_zeromoe.demo                      # 2 CPU processes, or the GPUs it finds
-    python -m lightning_zeromoe.demo --steps 50 --ep-size 2 --devices 2 --accelerator cpu
+    zeromoe-demo                      # 2 CPU processes, or the GPUs it finds
+    python -m lightning_zeromoe.demo  # the same
+    zeromoe-demo --steps 50 --ep-size 2 --devices 2 --accelerator cpu
 
 It prints a progress bar with the loss, then tokens/s, each expert's share of the routed tokens
 per layer, and the bytes of parameters, gradients and optimizer states each rank holds; and it
@@ -21,6 +22,7 @@ import torch
 
 # torch.distributed's own deprecation notices fire on every collective DeepSpeed makes.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+from lightning_zeromoe import invocation  # noqa: E402
 from lightning_zeromoe.engine import collectives  # noqa: E402
 from lightning_zeromoe.engine.notices import silence_known_notices  # noqa: E402
 from lightning_zeromoe.knowledge import say  # noqa: E402
@@ -28,11 +30,9 @@ from lightning_zeromoe.knowledge import say  # noqa: E402
 silence_known_notices()
 
 
-PROG = "python -m lightning_zeromoe.demo"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """Every option of ``zeromoe-demo``; ``prog`` defaults to the name it was started by."""
+    parser = argparse.ArgumentParser(prog=prog or invocation.prog("zeromoe-demo"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     parser.add_argument("--ep-size", type=int, default=2, help="expert-parallel group size (default 2)")
@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-experts", type=int, default=4)
     parser.add_argument("--precision", default=None, help="default: bf16-true on GPU, 32-true on CPU")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="where the checkpoint goes")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("steps", "ep_size", "devices", "batch_size", "num_experts"):
         if getattr(args, flag) < 1:
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ZeroMoEConfigError as err:  # a bad flag, like argparse's own errors: no traceback
-        print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
+        print(f"{invocation.prog('zeromoe-demo')}: error: {err}", file=sys.stderr, flush=True)
         return 2
 
 

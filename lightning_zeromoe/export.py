@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lightning_zeromoe import invocation
 from lightning_zeromoe.checkpoint import DEFAULT_MAX_SHARD_SIZE, ExportError, export
 
 EXIT_BAD_INPUT = 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """Every option of ``zeromoe-export``; ``prog`` defaults to the name it was started by."""
     parser = argparse.ArgumentParser(
-        prog="zeromoe-export",
+        prog=prog or invocation.prog("zeromoe-export"),
         description="Turn a checkpoint written by ZeroMoEStrategy (DeepSpeed ZeRO 1/2/3, AutoEP) into a Hugging "
                     "Face model directory (config.json, sharded safetensors, index) that from_pretrained loads, "
                     "or one .safetensors file. The checkpoint is only read.")
@@ -44,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
                              "the files it lists, or a .safetensors file zeromoe-export wrote); anything else at OUT "
                              "is refused")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    invocation.help_when_empty(parser, argv)
     args = parser.parse_args(argv)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:

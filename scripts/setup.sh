@@ -9,26 +9,12 @@ cd "$(dirname "$0")/.."
 extras="hf"
 [ "${1:-}" = "test" ] && extras="hf,test,docs"
 PY=${PYTHON:-python3}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
 
-if .venv/bin/python -c "import torch" 2>/dev/null; then
-  echo "setup: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') already installed"
-elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "setup: GPU found: installing the CUDA build of $TORCH_SPEC from PyPI"
-  pip install -q "$TORCH_SPEC"
-elif pip install -q --no-index --no-deps "$TORCH_SPEC" 2>/dev/null \
-     && .venv/bin/python -m pip install -q "$TORCH_SPEC" \
-     && .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
-  # A local wheel (pip's find-links) that is a CPU build; its dependencies come from the index.
-  echo "setup: no GPU: installed $TORCH_SPEC (CPU build) from a local wheel"
-else
-  echo "setup: no GPU: installing the CPU build of $TORCH_SPEC"
-  pip install -q "$TORCH_SPEC" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-fi
+bash scripts/install_torch.sh .venv/bin/python
 
 pip install -q -e ".[${extras}]"
 # Bytecode for this repository's own modules (pip compiles site-packages, not an editable install).

@@ -222,3 +222,17 @@ def test_doctor_and_cli_do_not_import_each_other():
         argtypes.positive_int("0")
     with pytest.raises(argparse.ArgumentTypeError, match="finite number greater than 0"):
         argtypes.positive_float("inf")
+
+
+def test_explain_bundled_example(env):
+    """``explain --example cuda_oom``: the real log shipped as package data (the fixture's verbatim copy)."""
+    from troubleshooter import examples
+
+    assert examples.names() == ["cuda_oom"]
+    bundled = Path(examples.path("cuda_oom")).read_bytes()
+    assert bundled == (TRACEBACKS / "issue_cuda_oom_new_format.txt").read_bytes()
+    proc = run(["explain", "--example", "cuda_oom", "--json"], env)
+    assert proc.returncode == 0, proc.stderr
+    assert [d["id"] for d in json.loads(proc.stdout)["diagnoses"]] == ["cuda-oom"]
+    both = run(["explain", str(TRACEBACKS / "real_autoep_top_k.txt"), "--example", "cuda_oom"], env)
+    assert both.returncode == 2 and "give SOURCE or --example, not both" in both.stderr

@@ -69,7 +69,8 @@ def readme_links() -> list[tuple[str, str]]:
 
 
 def test_readme_is_the_front_door() -> None:
-    """At most 250 lines; the demo and test commands first; one quickstart block between its markers."""
+    """At most 250 lines; the demo and test commands first; one quickstart block between its markers,
+    and that block is ``examples/quickstart.py`` word for word (the file CI runs, tests/test_examples.py)."""
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 250, len(lines)
     assert "lightning_zeromoe.demo" in lines[3] and "pytest" in lines[5], lines[:6]
@@ -77,7 +78,8 @@ def test_readme_is_the_front_door() -> None:
     assert text.count("<!-- quickstart:start -->") == 1 and text.count("<!-- quickstart:end -->") == 1
     block = text.split("<!-- quickstart:start -->", 1)[1].split("<!-- quickstart:end -->", 1)[0].strip()
     assert block.startswith("```python") and block.endswith("```")
-    compile(block.removeprefix("```python").removesuffix("```"), "README quickstart", "exec")
+    code = block.removeprefix("```python\n").removesuffix("```")
+    assert code == (REPO / "examples" / "quickstart.py").read_text(), "README's quickstart differs from examples/quickstart.py"
     assert readme_links()
 
 

@@ -78,3 +78,25 @@ def test_the_knowledge_base_loads_light_and_without_the_troubleshooter():
     assert text == ("[batch-arithmetic] train_batch_size=10 but train_micro_batch_size_per_gpu x gradient "
                     "accumulation x data-parallel ranks = 4 x 1 x 2 = 8. DeepSpeed refuses this. Set "
                     "train_batch_size=8, or drop it and let DeepSpeed derive it.")
+
+
+def test_top_level_exports_are_visible_to_static_tools_and_stay_lazy():
+    """``dir()`` and ``__all__`` list the lazy exports, and an ``if TYPE_CHECKING:`` block imports each
+    from the module ``__getattr__`` loads it from (what IDEs and pyright read); importing the package
+    and listing its names still loads neither torch, Lightning nor DeepSpeed."""
+    code = ("import sys, lightning_zeromoe as z; names = dir(z); "
+            "print(sorted(m for m in ('torch', 'deepspeed', 'lightning', 'transformers') if m in sys.modules)); "
+            "print('ZeroMoEStrategy' in names, sorted(z.__all__) == sorted(z._LAZY), set(z.__all__) <= set(names))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "True True True"]
+    import lightning_zeromoe
+
+    tree = ast.parse((LIBRARY / "__init__.py").read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    static = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+              for alias in node.names}
+    assert static == lightning_zeromoe._LAZY
+    for package in ("lightning_zeromoe", "troubleshooter"):  # PEP 561 marker, shipped by package-data
+        assert (ROOT / package / "py.typed").is_file()

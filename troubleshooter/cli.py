@@ -1,4 +1,4 @@
-"""Command line: ``python -m troubleshooter {doctor,lint,explain}``.
+"""Command line: ``troubleshooter {doctor,lint,explain}`` (also ``python -m troubleshooter ...``).
 
 Exit codes, the same for every subcommand:
   0  nothing fails (lint: no error-severity finding; explain: a diagnosis was printed),
@@ -22,13 +22,13 @@ from typing import Sequence
 
 from rich.console import Console
 
-from troubleshooter import __version__, explain, lint, render
+from lightning_zeromoe import invocation
+from troubleshooter import __version__, examples, explain, lint, render
 from troubleshooter.argtypes import positive_int
 
 __all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
-DOCTOR_HINT = "python -m troubleshooter doctor"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,14 +112,22 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
     p.add_argument("source", nargs="?", default="-",
                    help="a log or traceback file, the error message itself (quoted), or '-' "
                         "(default) to read standard input")
+    p.add_argument("--example", choices=examples.names(), metavar="NAME",
+                   help="diagnose a real log bundled with the troubleshooter instead of SOURCE, to see what "
+                        f"explain prints ({', '.join(examples.names())})")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(handler=_run_explain)
 
 
 def _run_explain(args: argparse.Namespace) -> int:
+    if args.example:
+        if args.source != "-":
+            return _input_error(f"explain: give SOURCE or --example, not both (got {args.source!r} and "
+                                f"--example {args.example})", args.json)
+        args.source = examples.path(args.example)
     if args.source == "-" and sys.stdin.isatty():
         return _input_error("explain: give a file, or pipe a log into standard input "
-                            "(python train.py 2>&1 | python -m troubleshooter explain -)", args.json)
+                            f"(python train.py 2>&1 | {invocation.prog('troubleshooter')} explain -)", args.json)
     try:
         data = explain.read_source(args.source)
     except explain.ExplainInputError as err:
@@ -143,11 +151,11 @@ def _print_diagnoses(con: Console, name: str, data: explain.Input,
         con.print(data.note(), markup=False)
     if not diagnoses:
         con.print(f"No known problem found in {name} ({data.describe()} read). The knowledge base does not "
-                  f"recognise this error. Check the environment with `{DOCTOR_HINT}`.")
+                  f"recognise this error. Check the environment with `{_doctor_hint()}`.")
         return
     for i, d in enumerate(diagnoses, 1):
         _print_diagnosis(con, i, d)
-    con.print(f"If this does not solve it, check the environment with `{DOCTOR_HINT}`.")
+    con.print(f"If this does not solve it, check the environment with `{_doctor_hint()}`.")
 
 
 def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis) -> None:
@@ -214,10 +222,16 @@ def _input_error(message: str, as_json: bool) -> int:
     return EXIT_USAGE
 
 
-def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The argument parser. Doctor's own options are added only when ``doctor`` is in ``argv``."""
+def _doctor_hint() -> str:
+    """``troubleshooter doctor``, under the name this process was started by."""
+    return f"{invocation.prog('troubleshooter')} doctor"
+
+
+def build_parser(argv: Sequence[str] = (), prog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser. Doctor's own options are added only when ``doctor`` is in ``argv``. ``prog``
+    defaults to the name the tool was started by (``troubleshooter`` or ``python -m troubleshooter``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m troubleshooter",
+        prog=prog or invocation.prog("troubleshooter"),
         description="Diagnose DeepSpeed ZeRO-3 + MoE training: environment, config, tracebacks.",
         epilog="Exit codes: 0 nothing fails, 1 a problem found (explain: nothing recognised), "
                "2 bad arguments or unreadable input.")
@@ -233,7 +247,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    invocation.help_when_empty(parser, argv)
+    args = parser.parse_args(argv)
     try:
         return args.handler(args)
     except KeyboardInterrupt:

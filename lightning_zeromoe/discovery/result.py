@@ -32,8 +32,10 @@ class MoEPattern:
 
     ``block`` is a regex over module names *relative to the LightningModule* (what
     ``named_modules()`` prints), e.g. ``r"model\\.layers\\.\\d+\\.moe"``. The block must have a
-    router child (``router``, a Linear of shape ``[num_experts, hidden]``) and an experts child
-    holding fused 3-D weights (``w1`` = ``[E, 2*ffn, hidden]`` gate+up when ``w3`` is None, or
+    router child named by the ``router`` field (default ``"gate"``: a Linear of shape
+    ``[num_experts, hidden]``) and an experts child named by ``experts`` (default ``"experts"``)
+    holding fused 3-D weights (the attributes named by ``w1``, default ``"gate_up_proj"``, and
+    ``w2``, default ``"down_proj"``: ``w1`` = ``[E, 2*ffn, hidden]`` gate+up when ``w3`` is None, or
     separate ``w1``/``w3`` of ``[E, ffn, hidden]``; ``w2`` = ``[E, hidden, ffn]``), or a
     ``ModuleList`` of expert MLPs whose Linear children ``w1``/``w3``/``w2`` are gate, up and down
     (``MoEPattern(..., w1="gate_proj", w2="down_proj", w3="up_proj")``). Hand-written blocks of

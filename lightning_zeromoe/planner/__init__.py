@@ -30,14 +30,15 @@ moves the parameter partitions too. These are modelled from DeepSpeed's code and
 (a CPU-only test machine has no device memory to offload from).
 
 Pure package: no torch, DeepSpeed or Lightning import at module level (a model, if given, is only
-iterated with ``named_parameters()``), so ``python -m lightning_zeromoe.planner`` is instant.
+iterated with ``named_parameters()``), so ``zeromoe-plan --dense ...`` and ``--mixtral-8x7b`` are instant.
 
 Where things are: :mod:`.setups` (precisions, the stage x offload ladder), :mod:`.counts` (dense vs
 expert parameters), :mod:`.memory` (per-rank model states), :mod:`.activations` (what the forward keeps for backward), :mod:`.plan` (the table,
 the recommendation, ``stage="auto"``, ``ep_size="auto"``), :mod:`.comm` (bytes per step by collective
 and group), :mod:`.step_time` (predicted seconds per step, by which the recommendation chooses),
 :mod:`.native_ep` (the peer's layout: transformers' FSDP2 + EP, per GPU and per step), and
-:mod:`.cli` (``python -m lightning_zeromoe.planner``, also from a Hugging Face config; ``--compare-native``).
+:mod:`.cli` (the ``zeromoe-plan`` command, ``python -m lightning_zeromoe.planner``; also from a Hugging Face
+config; ``--compare-native``).
 """
 
 from lightning_zeromoe.planner.counts import MIXTRAL_8X7B, ParamCounts, count_params, is_expert_param, moe_transformer_counts

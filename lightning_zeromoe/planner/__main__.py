@@ -1,4 +1,4 @@
-"""``python -m lightning_zeromoe.planner``: see :mod:`lightning_zeromoe.planner.cli`."""
+"""``python -m lightning_zeromoe.planner`` (the ``zeromoe-plan`` command): see :mod:`lightning_zeromoe.planner.cli`."""
 
 from lightning_zeromoe.planner.cli import main
 

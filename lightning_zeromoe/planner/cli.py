@@ -1,5 +1,6 @@
-"""``python -m lightning_zeromoe.planner``: the parameters-and-GPUs report, or (``--config config.json``)
-a plan from a Hugging Face config.
+"""``zeromoe-plan`` / ``python -m lightning_zeromoe.planner``: a plan from a Hugging Face config
+(``--config config.json`` or ``--model-type``), from parameter counts (``--dense``/``--experts``), or
+the worked Mixtral-8x7B example (``--mixtral-8x7b``). With no arguments it prints its help.
 
 No weights are downloaded or allocated: the model is built from its config on the meta device
 (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``) and its parameters are
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_zeromoe import invocation
 from lightning_zeromoe.knowledge import say
 from lightning_zeromoe.planner.counts import (EXPERT_FFN_KEYS, EXPERT_KEYS, TOP_K_KEYS, GatherUnit, ParamCounts,
                                              count_params, gather_units, has_qk_norm, is_expert_param)
@@ -505,12 +507,15 @@ def run_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every option of ``python -m lightning_zeromoe.planner``."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_zeromoe.planner",
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """Every option of ``zeromoe-plan``; ``prog`` defaults to the name it was started by."""
+    parser = argparse.ArgumentParser(prog=prog or invocation.prog("zeromoe-plan"),
                                      description="Memory planner: what each GPU holds under ZeRO stages 1-3, with "
-                                                 "expert parallelism and offload.")
-    parser.add_argument("--mixtral-8x7b", action="store_true", help="print the Mixtral-8x7B on 8x80 GB report")
+                                                 "expert parallelism and offload, the communication and the step "
+                                                 "time. Give --config/--model-type (a Hugging Face model), --dense "
+                                                 "(parameter counts) or --mixtral-8x7b (the worked example).")
+    parser.add_argument("--mixtral-8x7b", action="store_true",
+                        help="print the worked example: Mixtral-8x7B on --gpus x --gpu-gb GPUs (default 8 x 80 GB)")
     parser.add_argument("--dense", type=float, help="dense parameters (e.g. 1.6e9)")
     parser.add_argument("--experts", type=float, default=0, help="expert parameters, all experts (e.g. 45e9)")
     parser.add_argument("--gpus", type=int, default=8)
@@ -523,12 +528,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    invocation.help_when_empty(parser, argv)
+    args = parser.parse_args(argv)
     if args.config or args.model_type:
         raise SystemExit(run_hf(args))
-    if args.mixtral_8x7b or args.dense is None:
+    if args.mixtral_8x7b:
         print(mixtral_report(num_gpus=args.gpus, gpu_memory_gb=args.gpu_gb))
         return
+    if args.dense is None:
+        parser.error("nothing to plan: give --config or --model-type (a Hugging Face model), --dense (parameter "
+                     "counts), or --mixtral-8x7b (the worked example)")
     p = plan(dense_params=int(args.dense), expert_params=int(args.experts), num_gpus=args.gpus,
              gpus_per_node=args.gpus_per_node, gpu_memory_bytes=args.gpu_gb * GB, precision=args.precision,
              ep_size=args.ep_size or 1)
