@@ -31,6 +31,7 @@ from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, Reso
                                       native_plan_counts, options_before_model, resolve, strategy_settings,
                                       user_section, zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
+from lightning_zeromoe.engine import group_exit
 from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, device_memory_bytes, group_timeout,
                                       initialize, stop_launched_ranks, use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.knowledge import say
@@ -118,6 +119,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         comm_stats: Count the bytes of every collective per optimizer step, by collective and process
             group, and log them (``comm/<collective>/<group>_MB``): installs a
             :class:`~lightning_zeromoe.observe.comm_ledger.CommLedger` (``strategy.comm_ledger``).
+        end_groups_at_exit: When the process exits, wait for the other ranks and destroy the process
+            groups (the world group, DeepSpeed's, ours), so a finished script exits 0 instead of
+            aborting in C++ static destruction (:mod:`lightning_zeromoe.engine.group_exit`). The groups
+            stay up between ``fit``, ``validate``, ``test`` and ``predict``.
         plan_for: With ``stage="auto"`` only: the model ``configure_model`` will build, to plan the
             stage before it exists: the directory ``from_pretrained`` loads (or its ``config.json``),
             a hub id ``"org/name"`` (its ``config.json`` alone is fetched), or a ``PretrainedConfig``.
@@ -158,6 +163,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         guard_device_moves: bool = True,
         grad_audit_steps: int = 3,
         comm_stats: bool = False,
+        end_groups_at_exit: bool = True,
         plan_for: "PlanFor | None" = None,
         **kwargs: Any,
     ) -> None:
@@ -193,6 +199,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.observe.comm_ledger import CommLedger
 
         self.comm_ledger = CommLedger() if comm_stats else None
+        self.end_groups_at_exit = bool(end_groups_at_exit)
         # Lightning never builds its own config (config={} is not None); ours is built in setup().
         super().__init__(config={}, timeout=timeout, **self.keywords.passed)
 
@@ -248,11 +255,14 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     @override
     def setup_distributed(self) -> None:
         if not self._on_cpu:
-            return super().setup_distributed()
-        # The parent validates CUDA device indices, which CPU devices do not have.
-        reset_seed()
-        self.set_world_ranks()
-        lightning_private.init_distributed(self)
+            super().setup_distributed()
+        else:
+            # The parent validates CUDA device indices, which CPU devices do not have.
+            reset_seed()
+            self.set_world_ranks()
+            lightning_private.init_distributed(self)
+        # Not in teardown: a later validate/test/predict in the same script still needs the groups.
+        group_exit.end_groups_at_exit(lightning_private.collective_timeout(self), enabled=self.end_groups_at_exit)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -289,6 +299,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        group_exit.mark_failed()
         timeout = lightning_private.collective_timeout(self)
         stop_launched_ranks(self.launcher, grace=min(10.0, timeout.total_seconds() if timeout else 10.0))
 
