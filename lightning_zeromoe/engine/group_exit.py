@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 from datetime import timedelta
+from typing import Callable
 
 
 @dataclasses.dataclass
@@ -36,16 +37,19 @@ class ExitState:
     timeout: timedelta | None = None
     failed: bool = False
     registered: bool = False
+    #: Called with the error when the exit barrier fails (a peer died or hung): the Flight Recorder's dump.
+    on_failure: Callable[[str], object] | None = None
 
 
 #: One per process: the strategies of successive Trainers update it; the handler reads it once, at exit.
 STATE = ExitState()
 
 
-def end_groups_at_exit(timeout: timedelta | None, enabled: bool = True) -> None:
+def end_groups_at_exit(timeout: timedelta | None, enabled: bool = True,
+                       on_failure: Callable[[str], object] | None = None) -> None:
     """Arrange for this process's groups to end cleanly when it exits (once per process; later calls
-    update the timeout and the switch)."""
-    STATE.enabled, STATE.timeout, STATE.failed = enabled, timeout, False
+    update the timeout, the switch and what runs when the exit barrier fails)."""
+    STATE.enabled, STATE.timeout, STATE.failed, STATE.on_failure = enabled, timeout, False, on_failure
     if not STATE.registered:
         atexit.register(_end_groups)
         STATE.registered = True
@@ -67,6 +71,11 @@ def _end_groups() -> None:
         import sys
 
         print(f"lightning_zeromoe: process groups not ended cleanly at exit ({error})", file=sys.stderr)
+        if STATE.on_failure is not None:
+            try:
+                STATE.on_failure(f"exit barrier: {type(error).__name__}: {str(error)[:300]}")
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
 
 
 __all__ = ["ExitState", "STATE", "end_groups_at_exit", "mark_failed"]

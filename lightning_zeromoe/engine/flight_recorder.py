@@ -1,0 +1,260 @@
+"""torch's Flight Recorder, always on, and a dump of it when a run hangs or a peer dies.
+
+Every process group keeps a ring buffer of its recent collectives (sequence id, op, sizes, dtypes,
+state, Python stack) once ``TORCH_FR_BUFFER_SIZE`` is set; torch 2.13 reads it in C++ when the
+recorder is first used, i.e. when the first process group is created, so :func:`enable` must run
+before ``init_process_group`` (the strategy calls it in ``setup_environment``). It records on gloo
+and NCCL. The user's own ``TORCH_FR_*`` / ``TORCH_NCCL_TRACE_*`` settings win.
+
+The dumps of one run live in one directory (the strategy's: ``<default_root_dir>/flight_recorder``):
+
+* ``rank<N>``: rank N's Flight Recorder dump, in torch's own pickle format (what
+  ``torch.distributed.flight_recorder.fr_trace`` reads; NCCL's watchdog writes the same files there on
+  a timeout, through ``TORCH_FR_DUMP_TEMP_FILE``);
+* ``process<N>.json``: rank N's pid and host (for ``troubleshooter hang-dump``), the groups it is in
+  with their global ranks (gloo's dump leaves them out), the reason and time of its last dump, and the
+  modules whose ZeRO-3 gathers ran last (:class:`GatherLog`).
+
+A dump is written when a Trainer call raises (a collective timeout, a dead peer: the strategy's
+``on_exception``), and on demand on ``SIGUSR1``: a thread woken through ``signal.set_wakeup_fd`` writes
+it, so a rank whose main thread is stuck inside a collective still answers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+#: Entries per group's ring buffer when the strategy turns the recorder on: a ZeRO-3 step of a small
+#: model issues a few hundred collectives, so this covers the last steps before a hang.
+DEFAULT_BUFFER = 2000
+#: The user's settings that mean "I configured the recorder myself".
+USER_SETTINGS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+#: Where torch's NCCL watchdog writes its dumps (prefix + rank).
+DUMP_FILE_SETTINGS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+#: The signal that asks a rank for its dump.
+DUMP_SIGNAL = signal.SIGUSR1
+TRACE_PREFIX = "rank"
+PROCESS_PREFIX = "process"
+
+
+@dataclasses.dataclass
+class FlightSettings:
+    """What :func:`enable` decided: the buffer in force (0: off) and whether the user set it."""
+
+    buffer: int
+    users_own: bool
+    directory: Path | None
+
+
+def enable(buffer: int, directory: Path | None, env: dict[str, str] | None = None) -> FlightSettings:
+    """Turn the recorder on for the groups this process will create (before any exists).
+
+    ``buffer`` 0 leaves it as the environment says. The user's ``TORCH_FR_BUFFER_SIZE`` (or the older
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and ``TORCH_FR_DUMP_TEMP_FILE`` are kept as they are.
+    """
+    env = os.environ if env is None else env
+    users = next((env[name] for name in USER_SETTINGS if env.get(name)), None)
+    if users is not None:
+        return FlightSettings(int(users or 0), True, directory)
+    if buffer <= 0:
+        return FlightSettings(0, False, directory)
+    env["TORCH_FR_BUFFER_SIZE"] = str(buffer)
+    if directory is not None and not any(env.get(name) for name in DUMP_FILE_SETTINGS):
+        env["TORCH_FR_DUMP_TEMP_FILE"] = str(directory / TRACE_PREFIX)
+    return FlightSettings(buffer, False, directory)
+
+
+class GatherLog:
+    """Which module each ZeRO-3 gather served: a forward pre-hook, placed before DeepSpeed's own (which
+    fetches the module's partitioned parameters), notes the module's name and the time. The analysis
+    names, for a diverging all-gather, the module whose fetch began last before it was issued.
+
+    Only modules that hold partitioned parameters themselves get the hook; a bounded deque keeps the last
+    ``size`` records (about 60 ns of work per module call).
+    """
+
+    def __init__(self, size: int = DEFAULT_BUFFER) -> None:
+        self.records: collections.deque[tuple[int, str]] = collections.deque(maxlen=size)
+        self.handles: list[Any] = []
+
+    def attach(self, model: Any) -> int:
+        """Hook every module of ``model`` that owns ZeRO-3 partitioned parameters; returns how many."""
+        for name, module in model.named_modules():
+            if any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+                self.handles.append(module.register_forward_pre_hook(self._hook(name or "<model>"), prepend=True))
+        return len(self.handles)
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        records = self.records
+
+        def note(_module: Any, _args: Any) -> None:
+            records.append((time.time_ns(), name))
+        return note
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+@dataclasses.dataclass
+class Recorder:
+    """One rank's recorder state: where its dumps go and what it knows about its groups and gathers."""
+
+    directory: Path
+    rank: int
+    world_size: int
+    gathers: GatherLog = dataclasses.field(default_factory=GatherLog)
+    _watcher: threading.Thread | None = None
+
+    def process_file(self) -> Path:
+        return self.directory / f"{PROCESS_PREFIX}{self.rank}.json"
+
+    def trace_file(self) -> Path:
+        return self.directory / f"{TRACE_PREFIX}{self.rank}"
+
+    def announce(self) -> None:
+        """Write this rank's pid file and listen for :data:`DUMP_SIGNAL` (call from the main thread)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._write_process_file(reason=None)
+        self._listen()
+
+    def dump(self, reason: str) -> Path | None:
+        """Write this rank's trace and process file; returns the trace's path (None if torch cannot dump)."""
+        from lightning_zeromoe._private import torch as torch_private
+
+        if torch_private.flight_recorder_missing():
+            return None
+        data = torch_private.dump_flight_recorder()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.trace_file()
+        tmp = path.with_name(f".{path.name}.tmp")  # a reader never sees half a file
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        self._write_process_file(reason=reason)
+        return path
+
+    def signal_peers(self) -> list[int]:
+        """Ask the other ranks of this run on this host for their dumps (before they are stopped, or while
+        they wait in a collective). Only processes still running the same script get the signal."""
+        sent = []
+        for path in self.directory.glob(f"{PROCESS_PREFIX}*.json"):
+            try:
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            pid = int(info.get("pid", 0))
+            if info.get("rank") == self.rank or pid == os.getpid() or info.get("host") != socket.gethostname():
+                continue
+            if _runs_script(pid, str(info.get("script", ""))):
+                signal_pids([pid])
+                sent.append(pid)
+        return sent
+
+    def _write_process_file(self, reason: str | None) -> None:
+        info = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname(),
+                "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "",
+                "groups": _groups(), "dumped": reason, "time_ns": time.time_ns(),
+                "gathers": [list(r) for r in self.gathers.records]}
+        tmp = self.directory / f".{self.process_file().name}.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.process_file())
+
+    def _listen(self) -> None:
+        if self._watcher is not None or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(DUMP_SIGNAL) not in (signal.SIG_DFL, None):
+            return  # the user handles SIGUSR1 themselves
+        read_end, write_end = socket.socketpair()
+        write_end.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            return
+        if previous != -1:  # someone else's wakeup fd (an event loop): leave it alone
+            signal.set_wakeup_fd(previous)
+            return
+        signal.signal(DUMP_SIGNAL, lambda *_: None)  # the C handler writes to the wakeup fd, in any thread
+        # A peer's request that arrives while this interpreter shuts down must not kill it (SIGUSR1's default).
+        atexit.register(signal.signal, DUMP_SIGNAL, signal.SIG_IGN)
+
+        def watch() -> None:
+            while True:
+                data = read_end.recv(64)
+                if not data:
+                    return
+                if DUMP_SIGNAL in data:
+                    try:
+                        self.dump("signal")
+                    except Exception:  # noqa: BLE001 - a dump must never take the rank down
+                        pass
+
+        self._watcher = threading.Thread(target=watch, name="zeromoe-flight-recorder", daemon=True)
+        self._watcher.start()
+
+
+def _groups() -> dict[str, dict[str, Any]]:
+    """Every group this rank is in: FR's group name -> description and global ranks."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return {}
+        from lightning_zeromoe._private.torch import groups_of_this_rank
+
+        return {str(pg.group_name): {"desc": getattr(pg, "group_desc", ""),
+                                     "ranks": dist.get_process_group_ranks(pg)} for pg in groups_of_this_rank()}
+    except Exception:  # noqa: BLE001 - best effort, during a failure
+        return {}
+
+
+def _runs_script(pid: int, script: str) -> bool:
+    """Whether process ``pid`` is alive and runs ``script`` (a stale pid file must not hit another process)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(script) and any(Path(arg.decode(errors="replace")).name == script for arg in cmdline)
+
+
+def signal_pids(pids: list[int], sig: int = DUMP_SIGNAL) -> None:
+    """Ask these processes (the ranks this one launched) for their dumps; a gone one is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def signal_ranks(directory: Path, sig: int = DUMP_SIGNAL) -> list[tuple[int, int, str]]:
+    """Send ``sig`` to every rank of this host whose process file is in ``directory``.
+
+    Returns ``(rank, pid, outcome)`` per process file: ``"sent"``, ``"gone"`` or ``"other host"``.
+    """
+    host = socket.gethostname()
+    done = []
+    for path in sorted(directory.glob(f"{PROCESS_PREFIX}*.json")):
+        info = json.loads(path.read_text())
+        if info.get("host") != host:
+            done.append((info["rank"], info["pid"], "other host"))
+            continue
+        try:
+            os.kill(int(info["pid"]), sig)
+            done.append((info["rank"], info["pid"], "sent"))
+        except ProcessLookupError:
+            done.append((info["rank"], info["pid"], "gone"))
+    return done
+
+
+__all__ = ["DEFAULT_BUFFER", "DUMP_SIGNAL", "FlightSettings", "GatherLog", "Recorder", "enable", "signal_pids", "signal_ranks"]
