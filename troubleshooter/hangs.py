@@ -26,8 +26,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-TRACE = re.compile(r"^rank(\d+)$")
-PROCESS = re.compile(r"^process(\d+)\.json$")
+from lightning_zeromoe import hang_dumps
+from lightning_zeromoe.hang_dumps import is_dump_dir
+
 #: A log line the strategy prints when it writes a dump: ``... written to <dir> ...``.
 LOG_POINTER = re.compile(r"Flight Recorder trace written to (?P<dir>\S+)")
 #: Ops whose sizes legitimately differ between ranks (uneven splits).
@@ -133,11 +134,6 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks) or "none"
 
 
-def is_dump_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory with at least one rank's trace or process file in it."""
-    return path.is_dir() and any(TRACE.match(p.name) or PROCESS.match(p.name) for p in path.iterdir())
-
-
 def dump_dir_in_log(text: str) -> Path | None:
     """The dump directory a log names (the strategy's "Flight Recorder trace written to ..." line)."""
     for match in LOG_POINTER.finditer(text):
@@ -152,10 +148,9 @@ def dump_dir_in_log(text: str) -> Path | None:
 def _load(directory: Path) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
     from torch.distributed.flight_recorder.components.loader import read_dump
 
-    traces = {int(m.group(1)): read_dump("rank", str(p)) for p in directory.iterdir() if (m := TRACE.match(p.name))}
-    processes = {int(m.group(1)): json.loads(p.read_text()) for p in directory.iterdir()
-                 if (m := PROCESS.match(p.name))}
-    return traces, processes
+    traces = {int(m.group(1)): read_dump(hang_dumps.TRACE_PREFIX, str(p)) for p in directory.iterdir()
+              if (m := hang_dumps.TRACE.match(p.name))}
+    return traces, hang_dumps.read_processes(directory)
 
 
 def _short(name: str) -> str:
@@ -315,6 +310,38 @@ def _explain(found: list[Divergence], missing: list[int]) -> tuple[Divergence | 
     return found[index], kind
 
 
+def render(report: HangReport) -> list[str]:
+    """The report's lines, then the knowledge-base entry: its title, cause and fixes."""
+    from lightning_zeromoe import knowledge
+
+    lines = report.lines()
+    if report.entry_id is None:
+        return lines
+    entry = knowledge.get(report.entry_id)
+    lines += ["", f"[{entry.id}] {entry.title}", *(f"  {line}" for line in entry.cause.splitlines()), "Fix:"]
+    lines += [f"  {n}. {fix.text}" for n, fix in enumerate(entry.fixes, 1)]
+    return lines
+
+
+def request_and_wait(directory: Path, wait: float) -> list[tuple[int, int, str]]:
+    """``hang-dump``: signal the ranks of the run whose dumps go to ``directory``, then wait up to ``wait``
+    seconds for each signalled rank's trace to be rewritten."""
+    import time
+
+    before = {r: hang_dumps.trace_file(directory, r).stat().st_mtime_ns
+              for r in hang_dumps.read_processes(directory) if hang_dumps.trace_file(directory, r).exists()}
+    sent = hang_dumps.request_dumps(directory)
+    waiting = {rank for rank, _, outcome in sent if outcome == "sent"}
+    deadline = time.monotonic() + wait
+    while waiting and time.monotonic() < deadline:
+        for rank in list(waiting):
+            path = hang_dumps.trace_file(directory, rank)
+            if path.exists() and path.stat().st_mtime_ns != before.get(rank):
+                waiting.discard(rank)
+        time.sleep(0.1)
+    return [(r, pid, "no dump within the wait" if r in waiting else outcome) for r, pid, outcome in sent]
+
+
 def analyse(directory: str | Path) -> HangReport:
     """Read a run's dumps and find where its ranks parted (see the module docstring)."""
     directory = Path(directory)
@@ -331,4 +358,5 @@ def analyse(directory: str | Path) -> HangReport:
                       reasons={r: p.get("dumped") for r, p in sorted(processes.items())})
 
 
-__all__ = ["Divergence", "HangInputError", "HangReport", "Op", "analyse", "dump_dir_in_log", "is_dump_dir"]
+__all__ = ["Divergence", "HangInputError", "HangReport", "Op", "analyse", "dump_dir_in_log", "is_dump_dir", "render",
+           "request_and_wait"]

@@ -6,14 +6,10 @@ recorder is first used, i.e. when the first process group is created, so :func:`
 before ``init_process_group`` (the strategy calls it in ``setup_environment``). It records on gloo
 and NCCL. The user's own ``TORCH_FR_*`` / ``TORCH_NCCL_TRACE_*`` settings win.
 
-The dumps of one run live in one directory (the strategy's: ``<default_root_dir>/flight_recorder``):
-
-* ``rank<N>``: rank N's Flight Recorder dump, in torch's own pickle format (what
-  ``torch.distributed.flight_recorder.fr_trace`` reads; NCCL's watchdog writes the same files there on
-  a timeout, through ``TORCH_FR_DUMP_TEMP_FILE``);
-* ``process<N>.json``: rank N's pid and host (for ``troubleshooter hang-dump``), the groups it is in
-  with their global ranks (gloo's dump leaves them out), the reason and time of its last dump, and the
-  modules whose ZeRO-3 gathers ran last (:class:`GatherLog`).
+The dumps of one run live in one directory (the strategy's: ``<default_root_dir>/flight_recorder``),
+laid out as :mod:`lightning_zeromoe.hang_dumps` says; NCCL's watchdog writes its own dumps there too
+on a timeout, through ``TORCH_FR_DUMP_TEMP_FILE``. gloo's dump leaves out the groups' members, so the
+process file records them, with the modules whose ZeRO-3 gathers ran last (:class:`GatherLog`).
 
 A dump is written when a Trainer call raises (a collective timeout, a dead peer: the strategy's
 ``on_exception``), and on demand on ``SIGUSR1``: a thread woken through ``signal.set_wakeup_fd`` writes
@@ -35,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_zeromoe import hang_dumps
+
 #: Entries per group's ring buffer when the strategy turns the recorder on: a ZeRO-3 step of a small
 #: model issues a few hundred collectives, so this covers the last steps before a hang.
 DEFAULT_BUFFER = 2000
@@ -42,10 +40,7 @@ DEFAULT_BUFFER = 2000
 USER_SETTINGS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 #: Where torch's NCCL watchdog writes its dumps (prefix + rank).
 DUMP_FILE_SETTINGS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-#: The signal that asks a rank for its dump.
-DUMP_SIGNAL = signal.SIGUSR1
-TRACE_PREFIX = "rank"
-PROCESS_PREFIX = "process"
+DUMP_SIGNAL = hang_dumps.DUMP_SIGNAL
 
 
 @dataclasses.dataclass
@@ -71,7 +66,7 @@ def enable(buffer: int, directory: Path | None, env: dict[str, str] | None = Non
         return FlightSettings(0, False, directory)
     env["TORCH_FR_BUFFER_SIZE"] = str(buffer)
     if directory is not None and not any(env.get(name) for name in DUMP_FILE_SETTINGS):
-        env["TORCH_FR_DUMP_TEMP_FILE"] = str(directory / TRACE_PREFIX)
+        env["TORCH_FR_DUMP_TEMP_FILE"] = str(directory / hang_dumps.TRACE_PREFIX)
     return FlightSettings(buffer, False, directory)
 
 
@@ -119,10 +114,10 @@ class Recorder:
     _watcher: threading.Thread | None = None
 
     def process_file(self) -> Path:
-        return self.directory / f"{PROCESS_PREFIX}{self.rank}.json"
+        return hang_dumps.process_file(self.directory, self.rank)
 
     def trace_file(self) -> Path:
-        return self.directory / f"{TRACE_PREFIX}{self.rank}"
+        return hang_dumps.trace_file(self.directory, self.rank)
 
     def announce(self) -> None:
         """Write this rank's pid file and listen for :data:`DUMP_SIGNAL` (call from the main thread)."""
@@ -145,22 +140,10 @@ class Recorder:
         self._write_process_file(reason=reason)
         return path
 
-    def signal_peers(self) -> list[int]:
+    def signal_peers(self) -> list[tuple[int, int, str]]:
         """Ask the other ranks of this run on this host for their dumps (before they are stopped, or while
         they wait in a collective). Only processes still running the same script get the signal."""
-        sent = []
-        for path in self.directory.glob(f"{PROCESS_PREFIX}*.json"):
-            try:
-                info = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            pid = int(info.get("pid", 0))
-            if info.get("rank") == self.rank or pid == os.getpid() or info.get("host") != socket.gethostname():
-                continue
-            if _runs_script(pid, str(info.get("script", ""))):
-                signal_pids([pid])
-                sent.append(pid)
-        return sent
+        return hang_dumps.request_dumps(self.directory, skip_rank=self.rank)
 
     def _write_process_file(self, reason: str | None) -> None:
         info = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname(),
@@ -219,42 +202,4 @@ def _groups() -> dict[str, dict[str, Any]]:
         return {}
 
 
-def _runs_script(pid: int, script: str) -> bool:
-    """Whether process ``pid`` is alive and runs ``script`` (a stale pid file must not hit another process)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return bool(script) and any(Path(arg.decode(errors="replace")).name == script for arg in cmdline)
-
-
-def signal_pids(pids: list[int], sig: int = DUMP_SIGNAL) -> None:
-    """Ask these processes (the ranks this one launched) for their dumps; a gone one is skipped."""
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def signal_ranks(directory: Path, sig: int = DUMP_SIGNAL) -> list[tuple[int, int, str]]:
-    """Send ``sig`` to every rank of this host whose process file is in ``directory``.
-
-    Returns ``(rank, pid, outcome)`` per process file: ``"sent"``, ``"gone"`` or ``"other host"``.
-    """
-    host = socket.gethostname()
-    done = []
-    for path in sorted(directory.glob(f"{PROCESS_PREFIX}*.json")):
-        info = json.loads(path.read_text())
-        if info.get("host") != host:
-            done.append((info["rank"], info["pid"], "other host"))
-            continue
-        try:
-            os.kill(int(info["pid"]), sig)
-            done.append((info["rank"], info["pid"], "sent"))
-        except ProcessLookupError:
-            done.append((info["rank"], info["pid"], "gone"))
-    return done
-
-
-__all__ = ["DEFAULT_BUFFER", "DUMP_SIGNAL", "FlightSettings", "GatherLog", "Recorder", "enable", "signal_pids", "signal_ranks"]
+__all__ = ["DEFAULT_BUFFER", "DUMP_SIGNAL", "FlightSettings", "GatherLog", "Recorder", "enable"]

@@ -4,11 +4,11 @@
 
 Scenarios (each its own launch; the collective timeout is ``--timeout`` seconds):
 
-* ``healthy``: 4 steps; at the end every rank writes its trace (as ``SIGUSR1`` would);
 * ``uneven``: rank 1's loader has one more batch than rank 0's (no distributed sampler, no drop_last);
 * ``rank0_gather``: at the second step, ``self.all_gather`` runs on rank 0 only (``if rank == 0``);
 * ``dies``: rank 1 is SIGKILLed in the middle of its second step (after the forward);
-* ``rank0_eval``: ``trainer.validate`` after ``fit`` on rank 0 only.
+* ``rank0_eval``: ``trainer.validate`` after ``fit`` on rank 0 only. Before that, when ``fit`` has ended
+  on every rank, each rank writes its trace, copied to ``DIR/healthy``: a healthy run's dumps.
 
 The strategy writes the dumps to ``DIR/flight_recorder`` (``troubleshooter explain DIR/flight_recorder``).
 """
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import warnings
 from datetime import timedelta
+from pathlib import Path
 
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 
@@ -76,15 +78,23 @@ class ShortTimeout(L.Callback):
 
 
 class DumpAtEnd(L.Callback):
-    """The healthy run's traces, written by each rank when training ends."""
+    """The healthy run's traces: written by each rank when training ends (as ``SIGUSR1`` would), copied
+    to ``<root>/healthy``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
 
     def on_train_end(self, trainer, module) -> None:
-        trainer.strategy.recorder.dump("end of training")
+        recorder = trainer.strategy.recorder
+        trace = recorder.dump("end of training")
+        (self.root / "healthy").mkdir(parents=True, exist_ok=True)
+        for path in (trace, recorder.process_file()):
+            shutil.copy(path, self.root / "healthy" / path.name)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=("healthy", "uneven", "rank0_gather", "dies", "rank0_eval"),
+    parser.add_argument("--scenario", choices=("uneven", "rank0_gather", "dies", "rank0_eval"),
                         required=True)
     parser.add_argument("--root", required=True)
     parser.add_argument("--timeout", type=float, default=6.0)
@@ -94,9 +104,9 @@ def main() -> None:
         accelerator="cpu", devices=2, max_epochs=1, max_steps=4 if args.scenario != "uneven" else -1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=args.root, use_distributed_sampler=args.scenario not in ("uneven",),
-        num_sanity_val_steps=0, limit_val_batches=2,
+        num_sanity_val_steps=0, limit_val_batches=2 if args.scenario in ("uneven", "rank0_eval") else 0,
         strategy=ZeroMoEStrategy(ep_size=2, timeout=timedelta(seconds=120)),
-        callbacks=[ShortTimeout(args.timeout)] + ([DumpAtEnd()] if args.scenario == "healthy" else []))
+        callbacks=[ShortTimeout(args.timeout)] + ([DumpAtEnd(Path(args.root))] if args.scenario == "rank0_eval" else []))
     module = Scenario(args.scenario)
     trainer.fit(module)
     if args.scenario == "rank0_eval" and trainer.global_rank == 0:
