@@ -123,3 +123,30 @@ def test_healthy_run_has_no_divergence(runs):
     rc, hang, text = _explain(runs["healthy"]["dumps"])
     assert hang["ranks"] == [0, 1] and hang["divergence"] is None and hang["entry_id"] is None, text
     assert "No divergence" in text and rc == 1
+
+
+def test_doctor_report_includes_the_dumps(runs):
+    proc = subprocess.run([sys.executable, "-m", "troubleshooter", "doctor", "--report", "--only", "host", "--dumps",
+                           str(runs["nonleaf"]["dumps"])], capture_output=True, text=True, timeout=180, cwd=REPO,
+                          env=dict(job_env(), PYTHONPATH=str(REPO)))
+    section = proc.stdout.split("**Flight Recorder dumps**", 1)[-1].split("**Checks**", 1)[0]
+    assert f"Flight Recorder dumps in {runs['nonleaf']['dumps']}" in section, proc.stdout[-3000:]
+    assert "ZeRO-3 gather for moe.experts.0" in section and "[zero3-moe-gather-mismatch]" in section
+
+
+def test_jupyter_assistant_shows_fresh_dumps_after_a_failed_cell(runs, monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    monkeypatch.chdir(runs["rank0_gather"]["dumps"].parent)  # <default_root_dir>, as in a notebook's folder
+    with capture_output():
+        shell.run_line_magic("load_ext", "troubleshooter")
+    try:
+        with capture_output() as out:
+            shell.run_cell("raise RuntimeError('Timed out waiting 6000ms for send operation to complete')")
+    finally:
+        with capture_output():
+            shell.run_line_magic("unload_ext", "troubleshooter")
+    assert f"Flight Recorder dumps in {runs['rank0_gather']['dumps']}" in out.stdout, out.stdout
+    assert "[hang-rank-conditional-collective]" in out.stdout

@@ -342,6 +342,37 @@ def request_and_wait(directory: Path, wait: float) -> list[tuple[int, int, str]]
     return [(r, pid, "no dump within the wait" if r in waiting else outcome) for r, pid, outcome in sent]
 
 
+def recent_dump_dirs(candidates: list[Path], within_s: float = 900.0) -> list[Path]:
+    """The candidates that hold a trace written in the last ``within_s`` seconds (the Jupyter assistant
+    and ``doctor --report`` look in ``<default_root_dir>/flight_recorder``)."""
+    import time
+
+    found = []
+    for directory in dict.fromkeys(Path(c) for c in candidates):
+        if not is_dump_dir(directory):
+            continue
+        times = [p.stat().st_mtime for p in directory.iterdir() if hang_dumps.TRACE.match(p.name)]
+        if times and time.time() - max(times) < within_s:
+            found.append(directory)
+    return found
+
+
+def summary_lines(directory: Path) -> list[str]:
+    """A dump directory's report and the entry's id and title, for the assistant and the bug report; a
+    failed analysis is one line saying why."""
+    try:
+        report = analyse(directory)
+    except Exception as error:  # noqa: BLE001 - a report of a report must not fail
+        return [f"Flight Recorder dumps in {directory}: could not be read ({type(error).__name__}: {error})"]
+    lines = report.lines()
+    if report.entry_id:
+        from lightning_zeromoe import knowledge
+
+        lines.append(f"[{report.entry_id}] {knowledge.get(report.entry_id).title} "
+                     f"(python -m troubleshooter explain {directory})")
+    return lines
+
+
 def analyse(directory: str | Path) -> HangReport:
     """Read a run's dumps and find where its ranks parted (see the module docstring)."""
     directory = Path(directory)
@@ -358,5 +389,5 @@ def analyse(directory: str | Path) -> HangReport:
                       reasons={r: p.get("dumped") for r, p in sorted(processes.items())})
 
 
-__all__ = ["Divergence", "HangInputError", "HangReport", "Op", "analyse", "dump_dir_in_log", "is_dump_dir", "render",
-           "request_and_wait"]
+__all__ = ["Divergence", "HangInputError", "HangReport", "Op", "analyse", "dump_dir_in_log", "is_dump_dir",
+           "recent_dump_dirs", "render", "request_and_wait", "summary_lines"]

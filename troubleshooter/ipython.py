@@ -240,6 +240,7 @@ def _show_diagnosis(shell: Any, err: BaseException, *, full: bool, cell: str = "
     """
     from IPython.display import display
 
+    _show_hang_dumps(shell)
     try:
         diagnoses = diagnose_exception(err)
         if not diagnoses:
@@ -260,6 +261,22 @@ def _show_diagnosis(shell: Any, err: BaseException, *, full: bool, cell: str = "
     except Exception as bug:  # noqa: BLE001 - see docstring
         print(f"troubleshooter: could not diagnose this error ({type(bug).__name__}: {bug})")
         return None
+
+
+def _show_hang_dumps(shell: Any) -> None:
+    """After a failed cell: where the Flight Recorder dumps of a run that just failed are, and their summary
+    (``<default_root_dir>/flight_recorder`` of every Trainer in the notebook, and of the working directory)."""
+    from pathlib import Path
+
+    from troubleshooter import hangs
+
+    try:
+        roots = [Path.cwd()] + [Path(getattr(obj, "default_root_dir")) for obj in list(shell.user_ns.values())
+                                if hasattr(obj, "default_root_dir") and hasattr(obj, "strategy")]
+        for directory in hangs.recent_dump_dirs([root / "flight_recorder" for root in roots]):
+            print("troubleshooter: " + "\n  ".join(hangs.summary_lines(directory)))
+    except Exception as bug:  # noqa: BLE001 - never hide the user's error
+        print(f"troubleshooter: could not read the Flight Recorder dumps ({type(bug).__name__}: {bug})")
 
 
 def _post_run_cell(shell: Any):
