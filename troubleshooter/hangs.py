@@ -368,8 +368,7 @@ def summary_lines(directory: Path) -> list[str]:
     if report.entry_id:
         from lightning_zeromoe import knowledge
 
-        lines.append(f"[{report.entry_id}] {knowledge.get(report.entry_id).title} "
-                     f"(python -m troubleshooter explain {directory})")
+        lines.append(f"[{report.entry_id}] {knowledge.get(report.entry_id).title}")
     return lines
 
 

@@ -112,6 +112,7 @@ class Recorder:
     world_size: int
     gathers: GatherLog = dataclasses.field(default_factory=GatherLog)
     _watcher: threading.Thread | None = None
+    _sockets: tuple[socket.socket, socket.socket] | None = None
 
     def process_file(self) -> Path:
         return hang_dumps.process_file(self.directory, self.rank)
@@ -168,6 +169,7 @@ class Recorder:
         if previous != -1:  # someone else's wakeup fd (an event loop): leave it alone
             signal.set_wakeup_fd(previous)
             return
+        self._sockets = (read_end, write_end)  # kept open for the process's life (the wakeup fd is write_end's)
         signal.signal(DUMP_SIGNAL, lambda *_: None)  # the C handler writes to the wakeup fd, in any thread
         # A peer's request that arrives while this interpreter shuts down must not kill it (SIGUSR1's default).
         atexit.register(signal.signal, DUMP_SIGNAL, signal.SIG_IGN)
