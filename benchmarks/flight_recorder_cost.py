@@ -5,10 +5,17 @@ MoE issues (per step, from a real dump of ``tests/jobs/hang_job.py``: about 25 p
 13 expert all-to-alls, a few all-reduces and broadcasts), with small tensors, so that the
 collectives' own cost is small and the recorder's share shows. Each repeat is a fresh pair of
 processes, alternately with ``TORCH_FR_BUFFER_SIZE=2000`` (what ``ZeroMoEStrategy`` sets) and without
-it; each reports the median step time over ``--steps`` steps. Printed: per repeat the two medians,
-then the median over repeats of each and their ratio, and the cost per collective.
+it; each reports, over ``--steps`` steps, the median wall time of a step and the median CPU time of
+the thread that issues the collectives (where the recorder does its work: it copies the sizes and
+captures the Python stack; on a busy machine the wall time mostly measures waiting for the peer).
+Printed: per repeat the medians, then the median over repeats, on/off ratios and cost per collective.
 
     python benchmarks/flight_recorder_cost.py --repeats 7 --steps 60
+
+Found with it (torch 2.13, gloo): the recorder cannot be turned off for gloo groups: rank 0 records
+2000 entries with ``TORCH_FR_BUFFER_SIZE`` unset, 0 or 10 (the script prints a NOTE when it sees that).
+Then the side-by-side that remains meaningful is what the strategy adds on top of torch: the gather log
+(:func:`gather_log_cost`, printed first).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 #: One step's collectives: (op, numel); sizes like the tiny MoE's partitions and token exchanges.
 STEP = ([("all_gather", 4096)] * 25 + [("all_to_all", 2048)] * 13 + [("all_reduce", 1)] * 4
@@ -33,9 +41,9 @@ def _rank(rank: int, port: int, steps: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tensors = {numel: torch.ones(numel) for _, numel in STEP}
     outputs = {numel: torch.empty(2 * numel) for _, numel in STEP}
-    times = []
+    times, cpu = [], []
     for _ in range(steps + 5):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for op, numel in STEP:
             if op == "all_gather":
                 dist.all_gather_into_tensor(outputs[numel], tensors[numel])
@@ -46,22 +54,67 @@ def _rank(rank: int, port: int, steps: int) -> None:
             else:
                 dist.broadcast(tensors[numel], 0)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     if rank == 0:
-        print(json.dumps({"median_step_s": statistics.median(times[5:])}), flush=True)
+        import pickle
+
+        from lightning_zeromoe._private.torch import dump_flight_recorder
+
+        recorded = len(pickle.loads(dump_flight_recorder())["entries"])  # proof the recorder was on (or off)
+        print(json.dumps({"median_step_s": statistics.median(times[5:]), "median_cpu_s": statistics.median(cpu[5:]),
+                          "recorded": recorded}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _pair(port: int, steps: int, recorder: bool) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("TORCH_FR_BUFFER_SIZE", None)
+def _pair(port: int, steps: int, recorder: bool) -> dict[str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
     env.pop("TORCH_NCCL_TRACE_BUFFER_SIZE", None)
-    if recorder:
-        env["TORCH_FR_BUFFER_SIZE"] = "2000"
+    env["TORCH_FR_BUFFER_SIZE"] = "2000" if recorder else "0"
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port), "--steps", str(steps)],
                               env=env, stdout=subprocess.PIPE, text=True) for r in range(2)]
     out = [p.communicate(timeout=600)[0] for p in procs]
-    return json.loads(out[0].strip().splitlines()[-1])["median_step_s"]
+    return json.loads(out[0].strip().splitlines()[-1])
+
+
+def gather_log_cost(repeats: int, steps: int) -> None:
+    """What ``ZeroMoEStrategy(flight_recorder=True)`` adds per step besides torch's recorder: the
+    :class:`~lightning_zeromoe.engine.flight_recorder.GatherLog` forward pre-hook on every module that
+    holds partitioned parameters. Timed on the tiny MoE LM's forward + backward in one process, with the
+    hook on every module that holds parameters (under ZeRO-3 those are the ones that hold ``ds_id``;
+    here each parameter is given one so ``attach`` picks the same modules), alternating with and without."""
+    import torch
+
+    from lightning_zeromoe.engine.flight_recorder import GatherLog
+    from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
+
+    torch.manual_seed(0)
+    model = TinyMoELM(TinyMoEConfig(num_experts=4))
+    for i, p in enumerate(model.parameters()):
+        p.ds_id = i
+    ids = torch.randint(0, model.config.vocab_size, (4, model.config.max_seq_len // 2))
+
+    def step_times() -> float:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(ids)[0].float().pow(2).mean().backward()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    log = GatherLog()
+    with_hooks, without = [], []
+    for repeat in range(repeats):
+        for hooked in ((True, False) if repeat % 2 == 0 else (False, True)):
+            if hooked:
+                hooks = log.attach(model)
+            (with_hooks if hooked else without).append(step_times())
+            log.detach()
+    m_on, m_off = statistics.median(with_hooks), statistics.median(without)
+    print(f"gather log: {hooks} hooked modules; median step (forward + backward of the tiny MoE LM) with "
+          f"{m_on * 1e3:.2f} ms, without {m_off * 1e3:.2f} ms, ratio {m_on / m_off:.3f} "
+          f"({repeats} alternating repeats of {steps} steps)")
 
 
 def main() -> None:
@@ -73,16 +126,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank is not None:
         return _rank(args.rank, args.port, args.steps)
+    gather_log_cost(args.repeats, args.steps)
     on, off = [], []
     for repeat in range(args.repeats):
         order = (True, False) if repeat % 2 == 0 else (False, True)  # interleaved, alternating first
         for recorder in order:
             (on if recorder else off).append(_pair(args.port + 2 * repeat + recorder, args.steps, recorder))
-        print(f"repeat {repeat + 1}: on {on[-1] * 1e3:.2f} ms  off {off[-1] * 1e3:.2f} ms per step", flush=True)
-    m_on, m_off = statistics.median(on), statistics.median(off)
+        print(f"repeat {repeat + 1}: wall on {on[-1]['median_step_s'] * 1e3:.2f} ms off "
+              f"{off[-1]['median_step_s'] * 1e3:.2f} ms; main-thread CPU on {on[-1]['median_cpu_s'] * 1e3:.2f} ms off "
+              f"{off[-1]['median_cpu_s'] * 1e3:.2f} ms per step; entries recorded on "
+              f"{on[-1].get('recorded')} off {off[-1].get('recorded')}", flush=True)
     print(f"{len(STEP)} collectives per step, {args.steps} steps per run, {args.repeats} repeats")
-    print(f"median step: recorder on {m_on * 1e3:.2f} ms, off {m_off * 1e3:.2f} ms, ratio on/off {m_on / m_off:.3f}; "
-          f"{(m_on - m_off) / len(STEP) * 1e6:.1f} us per collective")
+    if {r["recorded"] for r in off} & {r["recorded"] for r in on}:
+        print(f"NOTE: with the recorder 'off' (TORCH_FR_BUFFER_SIZE=0) rank 0 still recorded {off[-1]['recorded']} "
+              "entries: this torch records gloo collectives whatever the variable says, so both columns below "
+              "pay the recorder and their ratio is noise, not its cost")
+    for key, label in (("median_step_s", "wall time"), ("median_cpu_s", "main-thread CPU time")):
+        m_on = statistics.median(r[key] for r in on)
+        m_off = statistics.median(r[key] for r in off)
+        print(f"median {label} per step: recorder on {m_on * 1e3:.2f} ms, off {m_off * 1e3:.2f} ms, ratio on/off "
+              f"{m_on / m_off:.3f}; {(m_on - m_off) / len(STEP) * 1e6:+.1f} us per collective")
 
 
 if __name__ == "__main__":

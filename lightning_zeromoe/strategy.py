@@ -10,7 +10,6 @@ processes (gloo) and GPUs (NCCL).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +32,6 @@ from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, Reso
                                       user_section, zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.engine import flight_recorder as flight_recorder_
-from lightning_zeromoe.engine import group_exit
 from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, device_memory_bytes, group_timeout,
                                       initialize, stop_launched_ranks, use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.knowledge import say
@@ -45,7 +43,6 @@ if TYPE_CHECKING:
 
 #: Lightning's own default collective timeout; DeepSpeed's would be 10 min (DEEPSPEED_TIMEOUT).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-DEFAULT_FR_BUFFER = flight_recorder_.DEFAULT_BUFFER
 
 class ZeroMoEStrategy(DeepSpeedStrategy):
     """Train Mixture-of-Experts models with DeepSpeed ZeRO-3 and expert parallelism.
@@ -209,13 +206,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.observe.comm_ledger import CommLedger
 
         self.comm_ledger = CommLedger() if comm_stats else None
-        self.end_groups_at_exit = bool(end_groups_at_exit)
-        #: Entries per group of the Flight Recorder this strategy asks for (0: off); ``flight`` is what
-        #: ``setup_environment`` found, ``recorder`` this rank's dumps (both None before).
-        self.flight_buffer = (DEFAULT_FR_BUFFER if flight_recorder else 0) if isinstance(flight_recorder, bool) \
-            else int(flight_recorder)
-        self.flight: flight_recorder_.FlightSettings | None = None
-        self.recorder: flight_recorder_.Recorder | None = None
+        #: The Flight Recorder (this rank's once the groups exist: ``flight.recorder``) and the groups' end at exit.
+        self.flight = flight_recorder_.Flight(flight_recorder, end_groups_at_exit)
         # Lightning never builds its own config (config={} is not None); ours is built in setup().
         super().__init__(config={}, timeout=timeout, **self.keywords.passed)
 
@@ -265,29 +257,19 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self.config = zero_init_config(options, auto_stage=False,  # to Lightning: a dict
                                            keyword_sections=self._keyword_sections(), user=self.user_config).to_dict()
             lightning_private.rebuild_config(self)
-        # Before any process group exists: torch reads TORCH_FR_BUFFER_SIZE when the first one is made.
-        trainer = lightning_private.trainer_of(self.lightning_module)
-        root = Path(trainer.default_root_dir if trainer is not None else ".")
-        self.flight = flight_recorder_.enable(self.flight_buffer, root / "flight_recorder")
+        self.flight.before_groups(lightning_private.trainer_of(self.lightning_module))  # before any group exists
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.
-        DDPStrategy.setup_environment(self)
+        DDPStrategy.setup_environment(self)  # creates the process groups (setup_distributed)
+        self.flight.after_groups(self.global_rank, self.world_size, lightning_private.collective_timeout(self))
 
     @override
     def setup_distributed(self) -> None:
         if not self._on_cpu:
-            super().setup_distributed()
-        else:
-            # The parent validates CUDA device indices, which CPU devices do not have.
-            reset_seed()
-            self.set_world_ranks()
-            lightning_private.init_distributed(self)
-        if self.flight is not None and self.flight.buffer > 0 and self.flight.directory is not None:
-            if self.recorder is None:
-                self.recorder = flight_recorder_.Recorder(self.flight.directory, self.global_rank, self.world_size)
-            self.recorder.announce()
-        # Not in teardown: a later validate/test/predict in the same script still needs the groups.
-        group_exit.end_groups_at_exit(lightning_private.collective_timeout(self), enabled=self.end_groups_at_exit,
-                                      on_failure=self.recorder.dump if self.recorder is not None else None)
+            return super().setup_distributed()
+        # The parent validates CUDA device indices, which CPU devices do not have.
+        reset_seed()
+        self.set_world_ranks()
+        lightning_private.init_distributed(self)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -320,19 +302,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         super().init_deepspeed()
         # deepspeed.initialize has created the expert-parallel groups by now.
         apply_timeout_to_all_groups(lightning_private.collective_timeout(self))
-        if self.recorder is not None and self.zero_stage_3:
-            self.recorder.gathers.attach(self.model.module)  # which module each ZeRO-3 gather served
+        self.flight.attach(self.model.module if self.zero_stage_3 else None)  # the module each ZeRO-3 gather serves
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        group_exit.mark_failed()
-        if self.recorder is not None:  # this rank's trace, then the other ranks' (they may wait in a collective)
-            path = self.recorder.dump(f"{type(exception).__name__}: {str(exception)[:300]}")
-            self.recorder.signal_peers()
-            if path is not None:
-                print(f"[rank {self.global_rank}] Flight Recorder trace written to {path.parent}", file=sys.stderr,
-                      flush=True)
+        self.flight.failed(exception, self.global_rank)
         timeout = lightning_private.collective_timeout(self)
         stop_launched_ranks(self.launcher, grace=min(10.0, timeout.total_seconds() if timeout else 10.0))
 
@@ -514,8 +489,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         # Lightning's teardown moves the module to the CPU: lift the guard first, drop audit hooks.
         self.pitfalls.teardown()
-        if self.recorder is not None:
-            self.recorder.gathers.detach()
+        self.flight.detach()
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints

@@ -27,7 +27,7 @@ def test_on_by_default_and_the_users_settings_win(tmp_path):
     assert (settings.buffer, settings.users_own) == (64, True)
     assert env == {"TORCH_FR_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": "/elsewhere/trace_"}
     env = {}
-    assert flight_recorder.enable(0, tmp_path, env).buffer == 0 and env == {}
+    assert flight_recorder.enable(0, tmp_path, env).buffer == 0 and env == {"TORCH_FR_BUFFER_SIZE": "0"}
 
 
 CHILD = textwrap.dedent("""

@@ -28,10 +28,12 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 from lightning_zeromoe import hang_dumps
+from lightning_zeromoe.engine import group_exit
 
 #: Entries per group's ring buffer when the strategy turns the recorder on: a ZeRO-3 step of a small
 #: model issues a few hundred collectives, so this covers the last steps before a hang.
@@ -55,16 +57,18 @@ class FlightSettings:
 def enable(buffer: int, directory: Path | None, env: dict[str, str] | None = None) -> FlightSettings:
     """Turn the recorder on for the groups this process will create (before any exists).
 
-    ``buffer`` 0 leaves it as the environment says. The user's ``TORCH_FR_BUFFER_SIZE`` (or the older
-    ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and ``TORCH_FR_DUMP_TEMP_FILE`` are kept as they are.
+    ``buffer`` 0 asks for it off (``TORCH_FR_BUFFER_SIZE=0``; measured: torch 2.13's gloo groups record
+    2000 entries whatever the variable says, so there it only stops our dumps). The user's
+    ``TORCH_FR_BUFFER_SIZE`` (or the older ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and ``TORCH_FR_DUMP_TEMP_FILE``
+    are kept as they are.
     """
     env = os.environ if env is None else env
     users = next((env[name] for name in USER_SETTINGS if env.get(name)), None)
     if users is not None:
         return FlightSettings(int(users or 0), True, directory)
+    env["TORCH_FR_BUFFER_SIZE"] = str(max(0, buffer))
     if buffer <= 0:
         return FlightSettings(0, False, directory)
-    env["TORCH_FR_BUFFER_SIZE"] = str(buffer)
     if directory is not None and not any(env.get(name) for name in DUMP_FILE_SETTINGS):
         env["TORCH_FR_DUMP_TEMP_FILE"] = str(directory / hang_dumps.TRACE_PREFIX)
     return FlightSettings(buffer, False, directory)
@@ -204,4 +208,58 @@ def _groups() -> dict[str, dict[str, Any]]:
         return {}
 
 
-__all__ = ["DEFAULT_BUFFER", "DUMP_SIGNAL", "FlightSettings", "GatherLog", "Recorder", "enable"]
+
+
+class Flight:
+    """The strategy's side of the recorder, one call per Lightning hook (the strategy stays thin), and of the
+    groups' end at exit (:mod:`lightning_zeromoe.engine.group_exit`), whose failure this recorder reports.
+
+    ``setting``: ``True`` (:data:`DEFAULT_BUFFER` entries per group), an int (that many), ``False`` (off).
+    ``end_groups``: end the process groups when the process exits.
+    """
+
+    def __init__(self, setting: bool | int, end_groups: bool = True) -> None:
+        self.buffer = (DEFAULT_BUFFER if setting else 0) if isinstance(setting, bool) else int(setting)
+        self.end_groups = bool(end_groups)
+        #: What :meth:`before_groups` decided, and this rank's recorder once the groups exist (None before).
+        self.settings: FlightSettings | None = None
+        self.recorder: Recorder | None = None
+
+    def before_groups(self, trainer: Any) -> None:
+        """``setup_environment``: torch reads ``TORCH_FR_BUFFER_SIZE`` when the first group is made."""
+        root = Path(trainer.default_root_dir if trainer is not None else ".")
+        self.settings = enable(self.buffer, root / "flight_recorder")
+
+    def after_groups(self, rank: int, world_size: int, timeout: timedelta | None) -> None:
+        """Once the groups exist: this rank's process file, listening for :data:`DUMP_SIGNAL`, and ending the
+        groups at exit (not in teardown: a later validate/test/predict in the same script still needs them)."""
+        if self.settings is not None and self.settings.buffer > 0 and self.settings.directory is not None:
+            if self.recorder is None:
+                self.recorder = Recorder(self.settings.directory, rank, world_size)
+            self.recorder.announce()
+        group_exit.end_groups_at_exit(timeout, enabled=self.end_groups, on_failure=self.dump)
+
+    def attach(self, model: Any) -> None:
+        """After ``deepspeed.initialize`` under ZeRO-3 (``model``: the engine's module; None: not ZeRO-3)."""
+        if self.recorder is not None and model is not None:
+            self.recorder.gathers.attach(model)
+
+    def detach(self) -> None:
+        if self.recorder is not None:
+            self.recorder.gathers.detach()
+
+    def dump(self, reason: str) -> Path | None:
+        return self.recorder.dump(reason) if self.recorder is not None else None
+
+    def failed(self, exception: BaseException, rank: int) -> None:
+        """A Trainer call raised: this rank's trace, then the other ranks' (they may wait in a collective);
+        at exit, this rank will not wait for the others."""
+        group_exit.mark_failed()
+        path = self.dump(f"{type(exception).__name__}: {str(exception)[:300]}")
+        if path is None or self.recorder is None:
+            return
+        self.recorder.signal_peers()
+        print(f"[rank {rank}] Flight Recorder trace written to {path.parent}", file=sys.stderr, flush=True)
+
+
+__all__ = ["DEFAULT_BUFFER", "DUMP_SIGNAL", "Flight", "FlightSettings", "GatherLog", "Recorder", "enable"]
