@@ -77,8 +77,9 @@ def main() -> None:
                     tail = proc.stderr.strip().splitlines()[-1:] if rc else []
                     # rank 1 (a child of the script) shares its stderr: its abort shows there too.
                     aborts += proc.stderr.count("terminate called")
-                except subprocess.TimeoutExpired:
-                    rc, tail = -999, ["timed out"]
+                except subprocess.TimeoutExpired as stuck:  # keep what it printed: where it was
+                    out = stuck.stderr.decode(errors="replace") if isinstance(stuck.stderr, bytes) else stuck.stderr
+                    rc, tail = -999, ["timed out; last stderr line:", *(out or "").strip().splitlines()[-1:]]
                 codes[rc] += 1
                 print(f"run {run + 1:3d}: rc {rc:4d}  {time.time() - t0:5.1f} s  {' '.join(tail)[:150]}", flush=True)
     finally:

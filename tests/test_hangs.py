@@ -32,12 +32,15 @@ def _launch(name: str, cmd: list[str]) -> dict:
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    killed = False
     try:
         output, _ = proc.communicate(timeout=LIMIT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launched ranks too
         output, _ = proc.communicate()
-    return {"name": name, "rc": proc.returncode, "seconds": time.monotonic() - start, "output": output}
+        killed = True
+    return {"name": name, "rc": proc.returncode, "killed": killed, "seconds": time.monotonic() - start,
+            "output": output}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     for name, result in done.items():
         result["dumps"] = root / name if name == "nonleaf" else root / name / "flight_recorder"
         print(f"hang scenario {name}: rc {result['rc']} in {result['seconds']:.0f} s")
-    done["healthy"] = {"dumps": root / "rank0_eval" / "healthy", "rc": 0, "seconds": 0.0, "output": ""}
+    done["healthy"] = {"dumps": root / "rank0_eval" / "healthy", "rc": 0, "killed": False, "seconds": 0.0,
+                       "output": ""}
     return done
 
 
@@ -74,7 +78,8 @@ def _sides(hang: dict) -> dict[int, dict | None]:
 @pytest.mark.parametrize("name", ["uneven", "rank0_gather", "dies", "rank0_eval", "nonleaf"])
 def test_a_hang_ends_within_its_timeout_with_dumps(runs, name):
     run = runs[name]
-    assert run["rc"] not in (0, None, -9), run["output"][-3000:]  # failed, by itself (not killed by LIMIT)
+    # failed by itself (Lightning's launcher may SIGKILL rank 0 once a child failed), not killed at LIMIT
+    assert run["rc"] not in (0, None) and not run["killed"], run["output"][-3000:]
     assert run["seconds"] < LIMIT - 10, f"{name} took {run['seconds']:.0f} s"
     assert any(p.name.startswith("rank") for p in run["dumps"].iterdir()), run["output"][-3000:]
 

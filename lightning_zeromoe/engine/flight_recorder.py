@@ -1,10 +1,11 @@
 """torch's Flight Recorder, always on, and a dump of it when a run hangs or a peer dies.
 
 Every process group keeps a ring buffer of its recent collectives (sequence id, op, sizes, dtypes,
-state, Python stack) once ``TORCH_FR_BUFFER_SIZE`` is set; torch 2.13 reads it in C++ when the
-recorder is first used, i.e. when the first process group is created, so :func:`enable` must run
-before ``init_process_group`` (the strategy calls it in ``setup_environment``). It records on gloo
-and NCCL. The user's own ``TORCH_FR_*`` / ``TORCH_NCCL_TRACE_*`` settings win.
+state, Python stack). ``TORCH_FR_BUFFER_SIZE`` sizes it; torch reads it in C++ when the recorder is
+first used, i.e. when the first process group is created, so :func:`enable` runs before
+``init_process_group`` (the strategy calls it in ``setup_environment``). Measured with torch 2.13 on
+CPU: gloo groups record their last 2000 collectives whatever the variable says (unset, 0 or 10). The
+user's own ``TORCH_FR_*`` / ``TORCH_NCCL_TRACE_*`` settings win.
 
 The dumps of one run live in one directory (the strategy's: ``<default_root_dir>/flight_recorder``),
 laid out as :mod:`lightning_zeromoe.hang_dumps` says; NCCL's watchdog writes its own dumps there too
@@ -80,7 +81,7 @@ class GatherLog:
     names, for a diverging all-gather, the module whose fetch began last before it was issued.
 
     Only modules that hold partitioned parameters themselves get the hook; a bounded deque keeps the last
-    ``size`` records (about 60 ns of work per module call).
+    ``size`` records (its cost: ``benchmarks/flight_recorder_cost.py``).
     """
 
     def __init__(self, size: int = DEFAULT_BUFFER) -> None:

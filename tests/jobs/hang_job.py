@@ -85,7 +85,7 @@ class DumpAtEnd(L.Callback):
         self.root = root
 
     def on_train_end(self, trainer, module) -> None:
-        recorder = trainer.strategy.recorder
+        recorder = trainer.strategy.flight.recorder
         trace = recorder.dump("end of training")
         (self.root / "healthy").mkdir(parents=True, exist_ok=True)
         for path in (trace, recorder.process_file()):
