@@ -82,8 +82,8 @@ def gather_log_cost(repeats: int, steps: int) -> None:
     """What ``ZeroMoEStrategy(flight_recorder=True)`` adds per step besides torch's recorder: the
     :class:`~lightning_zeromoe.engine.flight_recorder.GatherLog` forward pre-hook on every module that
     holds partitioned parameters. Timed on the tiny MoE LM's forward + backward in one process, with the
-    hook on every module that holds parameters (under ZeRO-3 those are the ones that hold ``ds_id``;
-    here each parameter is given one so ``attach`` picks the same modules), alternating with and without."""
+    hook on every module that holds parameters (under ZeRO-3: those whose parameters are partitioned),
+    alternating with and without."""
     import torch
 
     from lightning_zeromoe.engine.flight_recorder import GatherLog
@@ -91,8 +91,6 @@ def gather_log_cost(repeats: int, steps: int) -> None:
 
     torch.manual_seed(0)
     model = TinyMoELM(TinyMoEConfig(num_experts=4))
-    for i, p in enumerate(model.parameters()):
-        p.ds_id = i
     ids = torch.randint(0, model.config.vocab_size, (4, model.config.max_seq_len // 2))
 
     def step_times() -> float:
@@ -108,7 +106,7 @@ def gather_log_cost(repeats: int, steps: int) -> None:
     for repeat in range(repeats):
         for hooked in ((True, False) if repeat % 2 == 0 else (False, True)):
             if hooked:
-                hooks = log.attach(model)
+                hooks = log.attach(model, partitioned_only=False)
             (with_hooks if hooked else without).append(step_times())
             log.detach()
     m_on, m_off = statistics.median(with_hooks), statistics.median(without)

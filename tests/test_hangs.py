@@ -61,13 +61,21 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 
 
 def _explain(directory: Path) -> tuple[int, dict, str]:
-    """The real CLI, once: its JSON, and the report's text rendered from the same analysis."""
+    """The analysis ``explain`` runs on a dump directory, in this process: (the exit code ``explain`` gives,
+    the report as ``--json`` prints it, the text). ``test_the_cli_explains_a_dump_directory`` runs the CLI."""
     from troubleshooter import hangs
 
+    report = hangs.analyse(directory)
+    return (0 if report.entry_id else 1), json.loads(json.dumps(report.to_dict())), "\n".join(hangs.render(report))
+
+
+def test_the_cli_explains_a_dump_directory(runs):
+    directory = runs["nonleaf"]["dumps"]
     env = dict(job_env(), PYTHONPATH=str(REPO))
-    as_json = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(directory), "--json"],
-                             capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
-    return as_json.returncode, json.loads(as_json.stdout)["hang"], "\n".join(hangs.render(hangs.analyse(directory)))
+    proc = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(directory), "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["hang"] == _explain(directory)[1]
 
 
 def _sides(hang: dict) -> dict[int, dict | None]:
@@ -139,18 +147,23 @@ def test_doctor_report_includes_the_dumps(runs):
     assert "ZeRO-3 gather for moe.experts.0" in section and "[zero3-moe-gather-mismatch]" in section
 
 
-def test_jupyter_assistant_shows_fresh_dumps_after_a_failed_cell(runs, monkeypatch):
+def test_jupyter_assistant_shows_fresh_dumps_after_a_failed_cell(runs):
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
+    import lightning as L
+
     shell = InteractiveShell.instance()
-    monkeypatch.chdir(runs["rank0_gather"]["dumps"].parent)  # <default_root_dir>, as in a notebook's folder
+    # the notebook's Trainer, whose default_root_dir holds the dumps of the run that just failed
+    shell.user_ns["trainer"] = L.Trainer(default_root_dir=str(runs["rank0_gather"]["dumps"].parent), logger=False,
+                                         accelerator="cpu", devices=1, enable_progress_bar=False)
     with capture_output():
         shell.run_line_magic("load_ext", "troubleshooter")
     try:
         with capture_output() as out:
             shell.run_cell("raise RuntimeError('Timed out waiting 6000ms for send operation to complete')")
     finally:
+        shell.user_ns.pop("trainer", None)
         with capture_output():
             shell.run_line_magic("unload_ext", "troubleshooter")
     assert f"Flight Recorder dumps in {runs['rank0_gather']['dumps']}" in out.stdout, out.stdout

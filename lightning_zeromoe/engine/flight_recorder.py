@@ -88,10 +88,12 @@ class GatherLog:
         self.records: collections.deque[tuple[int, str]] = collections.deque(maxlen=size)
         self.handles: list[Any] = []
 
-    def attach(self, model: Any) -> int:
-        """Hook every module of ``model`` that owns ZeRO-3 partitioned parameters; returns how many."""
+    def attach(self, model: Any, partitioned_only: bool = True) -> int:
+        """Hook every module of ``model`` that owns ZeRO-3 partitioned parameters (``partitioned_only=False``:
+        every module that owns parameters, as the benchmark does without ZeRO-3); returns how many."""
         for name, module in model.named_modules():
-            if any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+            own = list(module.parameters(recurse=False))
+            if own and (not partitioned_only or any(hasattr(p, "ds_id") for p in own)):
                 self.handles.append(module.register_forward_pre_hook(self._hook(name or "<model>"), prepend=True))
         return len(self.handles)
 
