@@ -12,10 +12,9 @@ Printed: per repeat the medians, then the median over repeats, on/off ratios and
 
     python benchmarks/flight_recorder_cost.py --repeats 7 --steps 60
 
-Found with it (torch 2.13, gloo): the recorder cannot be turned off for gloo groups: rank 0 records
-2000 entries with ``TORCH_FR_BUFFER_SIZE`` unset, 0 or 10 (the script prints a NOTE when it sees that).
-Then the side-by-side that remains meaningful is what the strategy adds on top of torch: the gather log
-(:func:`gather_log_cost`, printed first).
+Each run reports how many entries rank 0's recorder holds at the end, as proof that "off" recorded
+nothing (torch 2.13, gloo: unset records 2000, ``0`` records none). First it prints what the strategy
+adds on top of torch's recorder: the gather log (:func:`gather_log_cost`).
 """
 
 from __future__ import annotations
@@ -90,8 +89,11 @@ def gather_log_cost(repeats: int, steps: int) -> None:
     from lightning_zeromoe.reference.models import TinyMoEConfig, TinyMoELM
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     model = TinyMoELM(TinyMoEConfig(num_experts=4))
     ids = torch.randint(0, model.config.vocab_size, (4, model.config.max_seq_len // 2))
+
+    model(ids)[0].float().pow(2).mean().backward()  # warm-up (first calls initialise lazily)
 
     def step_times() -> float:
         times = []
@@ -137,8 +139,7 @@ def main() -> None:
     print(f"{len(STEP)} collectives per step, {args.steps} steps per run, {args.repeats} repeats")
     if {r["recorded"] for r in off} & {r["recorded"] for r in on}:
         print(f"NOTE: with the recorder 'off' (TORCH_FR_BUFFER_SIZE=0) rank 0 still recorded {off[-1]['recorded']} "
-              "entries: this torch records gloo collectives whatever the variable says, so both columns below "
-              "pay the recorder and their ratio is noise, not its cost")
+              "entries: both columns below pay the recorder, and their ratio is noise, not its cost")
     for key, label in (("median_step_s", "wall time"), ("median_cpu_s", "main-thread CPU time")):
         m_on = statistics.median(r[key] for r in on)
         m_off = statistics.median(r[key] for r in off)

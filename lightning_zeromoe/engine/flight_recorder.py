@@ -4,8 +4,9 @@ Every process group keeps a ring buffer of its recent collectives (sequence id, 
 state, Python stack). ``TORCH_FR_BUFFER_SIZE`` sizes it; torch reads it in C++ when the recorder is
 first used, i.e. when the first process group is created, so :func:`enable` runs before
 ``init_process_group`` (the strategy calls it in ``setup_environment``). Measured with torch 2.13 on
-CPU: gloo groups record their last 2000 collectives whatever the variable says (unset, 0 or 10). The
-user's own ``TORCH_FR_*`` / ``TORCH_NCCL_TRACE_*`` settings win.
+CPU (gloo): unset, a group keeps its last 2000 collectives; ``0`` turns recording off; ``10`` keeps 10.
+The strategy sets it explicitly, so a torch whose default differs records too. The user's own
+``TORCH_FR_*`` / ``TORCH_NCCL_TRACE_*`` settings win.
 
 The dumps of one run live in one directory (the strategy's: ``<default_root_dir>/flight_recorder``),
 laid out as :mod:`lightning_zeromoe.hang_dumps` says; NCCL's watchdog writes its own dumps there too
@@ -58,8 +59,8 @@ class FlightSettings:
 def enable(buffer: int, directory: Path | None, env: dict[str, str] | None = None) -> FlightSettings:
     """Turn the recorder on for the groups this process will create (before any exists).
 
-    ``buffer`` 0 asks for it off (``TORCH_FR_BUFFER_SIZE=0``; measured: torch 2.13's gloo groups record
-    2000 entries whatever the variable says, so there it only stops our dumps). The user's
+    ``buffer`` 0 turns it off (``TORCH_FR_BUFFER_SIZE=0``: measured, torch 2.13's gloo groups then record
+    nothing). The user's
     ``TORCH_FR_BUFFER_SIZE`` (or the older ``TORCH_NCCL_TRACE_BUFFER_SIZE``) and ``TORCH_FR_DUMP_TEMP_FILE``
     are kept as they are.
     """
