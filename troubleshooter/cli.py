@@ -1,4 +1,4 @@
-"""Command line: ``python -m troubleshooter {doctor,lint,explain}``.
+"""Command line: ``python -m troubleshooter {doctor,lint,explain,hang-dump}``.
 
 Exit codes, the same for every subcommand:
   0  nothing fails (lint: no error-severity finding; explain: a diagnosis was printed),
