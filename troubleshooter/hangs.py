@@ -214,7 +214,8 @@ def _op(rank: int, entry: dict[str, Any], process: dict[str, Any]) -> Op:
     return Op(rank=rank, name=_short(entry["profiling_name"]), seq=int(entry["collective_seq_id"]),
               input_sizes=entry.get("input_sizes") or [], output_sizes=entry.get("output_sizes") or [],
               dtypes=list(dict.fromkeys(entry.get("input_dtypes") or [])), state=str(entry.get("state")),
-              origin=origin, phase=_phase(frames), module=module, caller=caller, time_ns=int(entry.get("time_created_ns") or 0))
+              origin=origin, phase=_phase(frames), module=module, caller=caller,
+              time_ns=int(entry.get("time_created_ns") or 0))
 
 
 def _groups(processes: dict[int, dict[str, Any]], traces: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:

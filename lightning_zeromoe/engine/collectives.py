@@ -276,5 +276,5 @@ def end_all_groups(wait: bool, timeout: Any = None) -> None:
 
 
 __all__ = ["KNOWN_BACKENDS", "UnknownBackendError", "all_gather", "all_gather_object", "all_reduce", "backend_device",
-           "backend_device_types", "barrier", "end_all_groups", "broadcast", "broadcast_object_list", "device_for_backend",
+           "backend_device_types", "barrier", "broadcast", "broadcast_object_list", "device_for_backend", "end_all_groups",
            "is_initialized"]

@@ -106,7 +106,8 @@ def main() -> None:
         default_root_dir=args.root, use_distributed_sampler=args.scenario not in ("uneven",),
         num_sanity_val_steps=0, limit_val_batches=2 if args.scenario in ("uneven", "rank0_eval") else 0,
         strategy=ZeroMoEStrategy(ep_size=2, timeout=timedelta(seconds=120)),
-        callbacks=[ShortTimeout(args.timeout)] + ([DumpAtEnd(Path(args.root))] if args.scenario == "rank0_eval" else []))
+        callbacks=[ShortTimeout(args.timeout)]
+        + ([DumpAtEnd(Path(args.root))] if args.scenario == "rank0_eval" else []))
     module = Scenario(args.scenario)
     trainer.fit(module)
     if args.scenario == "rank0_eval" and trainer.global_rank == 0:

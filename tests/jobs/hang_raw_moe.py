@@ -76,7 +76,8 @@ def rank_main(args: argparse.Namespace) -> None:
         model.moe.router.weight[1, 0] = 1.0
         model.inp.weight.copy_(torch.eye(hidden))
         model.inp.bias.zero_()
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     apply_timeout_to_all_groups(timedelta(seconds=args.timeout))
