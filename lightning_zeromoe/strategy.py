@@ -31,6 +31,7 @@ from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, Reso
                                       native_plan_counts, options_before_model, resolve, strategy_settings,
                                       user_section, zero_init_config)
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
+from lightning_zeromoe.engine import flight_recorder as flight_recorder_
 from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, device_memory_bytes, group_timeout,
                                       initialize, stop_launched_ranks, use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.knowledge import say
@@ -120,6 +121,16 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         comm_stats: Count the bytes of every collective per optimizer step, by collective and process
             group, and log them (``comm/<collective>/<group>_MB``): installs a
             :class:`~lightning_zeromoe.observe.comm_ledger.CommLedger` (``strategy.comm_ledger``).
+        flight_recorder: Turn on torch's Flight Recorder for every process group (``True``: a ring buffer of
+            :data:`~lightning_zeromoe.engine.flight_recorder.DEFAULT_BUFFER` collectives per group; an int:
+            that many; ``False``: off). Each rank writes its trace to ``<default_root_dir>/flight_recorder``
+            when a Trainer call raises (a collective timeout, a dead peer) and on ``SIGUSR1``
+            (``troubleshooter hang-dump``); ``troubleshooter explain`` on that directory names the first
+            collective where the ranks diverged. Your own ``TORCH_FR_BUFFER_SIZE`` wins.
+        end_groups_at_exit: When the process exits, wait for the other ranks and destroy the process
+            groups (the world group, DeepSpeed's, ours), so a finished script exits 0 instead of
+            aborting in C++ static destruction (:mod:`lightning_zeromoe.engine.group_exit`). The groups
+            stay up between ``fit``, ``validate``, ``test`` and ``predict``.
         plan_for: With ``stage="auto"`` only: the model ``configure_model`` will build, to plan the
             stage before it exists: the directory ``from_pretrained`` loads (or its ``config.json``),
             a hub id ``"org/name"`` (its ``config.json`` alone is fetched), or a ``PretrainedConfig``.
@@ -160,6 +171,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         guard_device_moves: bool = True,
         grad_audit_steps: int = 3,
         comm_stats: bool = False,
+        flight_recorder: bool | int = True,
+        end_groups_at_exit: bool = True,
         plan_for: "PlanFor | None" = None,
         **kwargs: Any,
     ) -> None:
@@ -195,6 +208,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         from lightning_zeromoe.observe.comm_ledger import CommLedger
 
         self.comm_ledger = CommLedger() if comm_stats else None
+        #: The Flight Recorder (this rank's once the groups exist: ``flight.recorder``) and the groups' end at exit.
+        self.flight = flight_recorder_.Flight(flight_recorder, end_groups_at_exit)
         # Lightning never builds its own config (config={} is not None); ours is built in setup().
         super().__init__(config={}, timeout=timeout, **self.keywords.passed)
 
@@ -244,8 +259,10 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             self.config = zero_init_config(options, auto_stage=False,  # to Lightning: a dict
                                            keyword_sections=self._keyword_sections(), user=self.user_config).to_dict()
             lightning_private.rebuild_config(self)
+        self.flight.before_groups(lightning_private.trainer_of(self.lightning_module))  # before any group exists
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.
-        DDPStrategy.setup_environment(self)
+        DDPStrategy.setup_environment(self)  # creates the process groups (setup_distributed)
+        self.flight.after_groups(self.global_rank, self.world_size, lightning_private.collective_timeout(self))
 
     @override
     def setup_distributed(self) -> None:
@@ -287,10 +304,12 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         super().init_deepspeed()
         # deepspeed.initialize has created the expert-parallel groups by now.
         apply_timeout_to_all_groups(lightning_private.collective_timeout(self))
+        self.flight.attach(self.model.module if self.zero_stage_3 else None)  # the module each ZeRO-3 gather serves
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self.flight.failed(exception, self.global_rank)
         timeout = lightning_private.collective_timeout(self)
         stop_launched_ranks(self.launcher, grace=min(10.0, timeout.total_seconds() if timeout else 10.0))
 
@@ -472,6 +491,7 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
     def teardown(self) -> None:
         # Lightning's teardown moves the module to the CPU: lift the guard first, drop audit hooks.
         self.pitfalls.teardown()
+        self.flight.detach()
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints

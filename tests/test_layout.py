@@ -16,7 +16,9 @@ MAX_LINES = 400
 #: its docstrings are the user reference of 22 constructor arguments and of each Lightning hook
 #: (126 of its 532 lines; 309 lines of code). The next split is its checkpoint hooks.
 DATA_TABLES: dict[str, str] = {"lightning_zeromoe.strategy": "hooks in lifecycle order + the constructor's reference"}
-STRATEGY_CODE_LINES = 330
+#: 327 before issue 35, which added 9 one-call hooks and arguments (the Flight Recorder and the groups'
+#: end at exit: the logic is in engine/flight_recorder.py and engine/group_exit.py).
+STRATEGY_CODE_LINES = 336
 
 
 def _module_name(path: Path) -> str:

@@ -51,7 +51,7 @@ def _facts(run: dict):
 
 def _step_seconds(run: dict, setup: dict, facts, tflops: float) -> float:
     """The planner's predicted seconds per optimizer step of ``setup`` at ``tflops`` achieved."""
-    from lightning_zeromoe.planner import cli
+    from lightning_zeromoe.planner import cli, native_report
 
     gpus = setup.get("gpus", run.get("gpus"))
     ep = setup.get("ep_size", run.get("ep_size"))
@@ -67,7 +67,7 @@ def _step_seconds(run: dict, setup: dict, facts, tflops: float) -> float:
     if run["layout"] == "zero":
         row = next(r for r in rows if r.setup.stage == setup["stage"] and not r.setup.offload_optimizer)
         return row.time.total
-    native = [r for r in cli.native_rows(facts, args, rows) if not r.states.host]
+    native = [r for r in native_report.native_rows(facts, args, rows) if not r.states.host]
     return native[0].time.total
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``troubleshooter {doctor,lint,explain}`` (also ``python -m troubleshooter ...``).
+"""Command line: ``troubleshooter {doctor,lint,explain,hang-dump}`` (also ``python -m troubleshooter ...``).
 
 Exit codes, the same for every subcommand:
   0  nothing fails (lint: no error-severity finding; explain: a diagnosis was printed),
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
@@ -119,12 +120,28 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_explain)
 
 
+def _explain_hang(directory: Path, as_json: bool, source: str | None = None) -> int:
+    """``explain`` on a Flight Recorder dump directory (:mod:`troubleshooter.hangs`)."""
+    from troubleshooter import hangs
+
+    report = hangs.analyse(directory)
+    if as_json:
+        render.print_json({"source": source or str(directory), "kind": "flight-recorder", "hang": report.to_dict()})
+    else:
+        print("\n".join(hangs.render(report)))
+    return EXIT_OK if report.entry_id else EXIT_FOUND
+
+
 def _run_explain(args: argparse.Namespace) -> int:
+    from troubleshooter import hangs
+
     if args.example:
         if args.source != "-":
             return _input_error(f"explain: give SOURCE or --example, not both (got {args.source!r} and "
                                 f"--example {args.example})", args.json)
         args.source = examples.path(args.example)
+    if args.source != "-" and hangs.is_dump_dir(Path(args.source)):
+        return _explain_hang(Path(args.source), args.json)
     if args.source == "-" and sys.stdin.isatty():
         return _input_error("explain: give a file, or pipe a log into standard input "
                             f"(python train.py 2>&1 | {invocation.prog('troubleshooter')} explain -)", args.json)
@@ -133,6 +150,9 @@ def _run_explain(args: argparse.Namespace) -> int:
     except explain.ExplainInputError as err:
         return _input_error(str(err), args.json)
     diagnoses = explain.explain_input(data)
+    pointed = hangs.dump_dir_in_log(data.text) if not data.problem() else None
+    if pointed is not None:  # the log names the run's dumps: their analysis says more than the log
+        return _explain_hang(pointed, args.json, source=data.name)
     if not diagnoses and data.problem():  # empty or binary: say so, as for an unreadable file
         return _input_error(data.problem(), args.json)
     name = data.name
@@ -186,6 +206,26 @@ def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _add_hang_dump(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("hang-dump", help="make the ranks of a running job write their Flight Recorder traces",
+                       description="Send SIGUSR1 to every rank (on this host) whose process file is in the "
+                                   "run's dump directory, wait for their traces, then explain them.")
+    p.add_argument("directory", type=Path, help="the run's dump directory (<default_root_dir>/flight_recorder)")
+    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the traces (default 10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(handler=_run_hang_dump)
+
+
+def _run_hang_dump(args: argparse.Namespace) -> int:
+    from troubleshooter import hangs
+
+    if not hangs.is_dump_dir(args.directory):
+        return _input_error(f"hang-dump: {args.directory} holds no process<N>.json of a running job", args.json)
+    for rank, pid, outcome in hangs.request_and_wait(args.directory, args.wait):
+        print(f"rank {rank} (pid {pid}): {outcome}", file=sys.stderr)
+    return _explain_hang(args.directory, args.json)
+
+
 def _add_doctor(sub: argparse._SubParsersAction, with_options: bool) -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the environment (versions, CUDA, build tools, NCCL, host)",
                        description="Check the installed stack and the host for known problems.")
@@ -236,11 +276,12 @@ def build_parser(argv: Sequence[str] = (), prog: str | None = None) -> argparse.
         epilog="Exit codes: 0 nothing fails, 1 a problem found (explain: nothing recognised), "
                "2 bad arguments or unreadable input.")
     parser.add_argument("--version", action="version", version=f"troubleshooter {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,lint,explain}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,lint,explain,hang-dump}", required=True)
     command = next((a for a in argv if not a.startswith("-")), None)
     _add_doctor(sub, with_options=command == "doctor")
     _add_lint(sub)
     _add_explain(sub)
+    _add_hang_dump(sub)
     return parser
 
 

@@ -240,6 +240,7 @@ def _show_diagnosis(shell: Any, err: BaseException, *, full: bool, cell: str = "
     """
     from IPython.display import display
 
+    _show_hang_dumps(shell)
     try:
         diagnoses = diagnose_exception(err)
         if not diagnoses:
@@ -260,6 +261,31 @@ def _show_diagnosis(shell: Any, err: BaseException, *, full: bool, cell: str = "
     except Exception as bug:  # noqa: BLE001 - see docstring
         print(f"troubleshooter: could not diagnose this error ({type(bug).__name__}: {bug})")
         return None
+
+
+def _show_hang_dumps(shell: Any) -> None:
+    """After a failed cell: where the Flight Recorder dumps of a run that just failed are, and their summary
+    (``<default_root_dir>/flight_recorder`` of every Trainer in the notebook, and ``./flight_recorder`` when
+    this kernel was one of the run's ranks), when a trace there is from the last 15 minutes."""
+    from pathlib import Path
+
+    from troubleshooter import hangs
+
+    try:
+        import os
+
+        from lightning_zeromoe import hang_dumps
+
+        trainers = [Path(getattr(obj, "default_root_dir")) / "flight_recorder" for obj in list(shell.user_ns.values())
+                    if hasattr(obj, "default_root_dir") and hasattr(obj, "strategy")]
+        here = Path.cwd() / "flight_recorder"  # only when this kernel was one of its ranks (ddp_notebook's rank 0)
+        if hang_dumps.is_dump_dir(here) and any(p.get("pid") == os.getpid()
+                                                for p in hang_dumps.read_processes(here).values()):
+            trainers.append(here)
+        for directory in hangs.recent_dump_dirs(trainers):
+            print("troubleshooter: " + "\n  ".join(hangs.summary_lines(directory)))
+    except Exception as bug:  # noqa: BLE001 - never hide the user's error
+        print(f"troubleshooter: could not read the Flight Recorder dumps ({type(bug).__name__}: {bug})")
 
 
 def _post_run_cell(shell: Any):

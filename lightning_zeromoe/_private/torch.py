@@ -21,6 +21,8 @@ DeepSpeed's. :func:`remove_hooks_defined_in` removes only the hooks a package de
 its children, and loading one module of a state dict at a time. ``torch._C._nn._parse_to``: the
 parser ``nn.Module.to`` itself uses, so a guard reads ``.to(...)`` arguments exactly as torch does.
 ``_schedulers``: the children of ``ChainedScheduler`` / ``SequentialLR``.
+``torch._C._distributed_c10d._dump_fr_trace``: the Flight Recorder's entries (every group's recent
+collectives), the one way to read them from Python on gloo (NCCL also dumps them itself on a timeout).
 
 :func:`missing` checks each one exists (``tests/test_private_api.py``), so a torch upgrade that
 removes one fails there, by name, instead of silently leaving expert groups on the backend default.
@@ -55,7 +57,8 @@ def _c10d() -> Any:
 
 #: Every private name this module touches (``tests/test_private_api.py``).
 NAMES = (*REQUIRED_C10D, "_get_backend", "_timeout", *HOOK_TABLES, *HOOK_FLAGS, "_is_full_backward_hook",
-         *MODULE_TABLES, "_load_from_state_dict", "_metadata", "_C", "_nn", "_parse_to", "_schedulers")
+         *MODULE_TABLES, "_load_from_state_dict", "_metadata", "_C", "_nn", "_parse_to", "_schedulers",
+         "_distributed_c10d", "_dump_fr_trace")
 
 
 def missing() -> list[str]:
@@ -77,7 +80,7 @@ def missing() -> list[str]:
     chained = torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.ConstantLR(optimizer)])
     if not isinstance(getattr(chained, "_schedulers", None), list):
         gone.append("ChainedScheduler._schedulers")
-    return gone
+    return gone + flight_recorder_missing()
 
 
 def missing_private_api() -> list[str]:
@@ -185,3 +188,15 @@ def group_timeout(group: Any) -> timedelta | None:
         if options is not None:
             return options._timeout
     return None
+
+
+def flight_recorder_missing() -> list[str]:
+    """The Flight Recorder names this torch lacks (empty when it can dump)."""
+    c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
+    return [] if hasattr(c10d, "_dump_fr_trace") else ["torch._C._distributed_c10d._dump_fr_trace"]
+
+
+def dump_flight_recorder() -> bytes:
+    """This process's Flight Recorder entries, every group, with Python stacks: torch's pickle format
+    (what ``torch.distributed.flight_recorder.fr_trace`` reads)."""
+    return torch._C._distributed_c10d._dump_fr_trace(True, True, False)

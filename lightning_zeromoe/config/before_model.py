@@ -50,7 +50,7 @@ def options_before_model(options: ZeroOptions, *, auto_stage: bool, user: Mappin
     if plan_for is None:
         return dataclasses.replace(options, stage=3), (say("stage-auto-kept-3", "kept", "pass-plan-for")
                                                        if builds_later else None)
-    from lightning_zeromoe.planner.cli import PlannerInputError
+    from lightning_zeromoe.planner.model_facts import PlannerInputError
     from lightning_zeromoe.planner.plan_for import choose_before_model
 
     try:

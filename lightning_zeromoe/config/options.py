@@ -79,7 +79,7 @@ def _count_plan_for(plan_for: "PlanFor", stage: int | str) -> "CountedModel":
     if stage != "auto":
         shown = os.fspath(plan_for) if isinstance(plan_for, (str, os.PathLike)) else type(plan_for).__name__
         raise ZeroMoEConfigError(say("plan-for-invalid", "without-auto", "use-auto", plan_for=shown, stage=stage))
-    from lightning_zeromoe.planner.cli import PlannerInputError
+    from lightning_zeromoe.planner.model_facts import PlannerInputError
     from lightning_zeromoe.planner.plan_for import count_plan_for
 
     try:

@@ -260,6 +260,21 @@ def barrier(group: Any = None, timeout: Any = None) -> None:
     dist.barrier(group=group, **kwargs)
 
 
+def end_all_groups(wait: bool, timeout: Any = None) -> None:
+    """Destroy every process group of this process (the world group, DeepSpeed's, ours).
+
+    ``wait``: first a barrier on the world group (``timeout``: a ``timedelta``), so no rank closes its
+    connections while a peer still reads from them. Nothing happens when no group is up.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if wait:
+        barrier(timeout=timeout)
+    dist.destroy_process_group()
+
+
 __all__ = ["KNOWN_BACKENDS", "UnknownBackendError", "all_gather", "all_gather_object", "all_reduce", "backend_device",
-           "backend_device_types", "barrier", "broadcast", "broadcast_object_list", "device_for_backend",
+           "backend_device_types", "barrier", "broadcast", "broadcast_object_list", "device_for_backend", "end_all_groups",
            "is_initialized"]

@@ -36,8 +36,9 @@ Where things are: :mod:`.setups` (precisions, the stage x offload ladder), :mod:
 expert parameters), :mod:`.memory` (per-rank model states), :mod:`.activations` (what the forward keeps for backward), :mod:`.plan` (the table,
 the recommendation, ``stage="auto"``, ``ep_size="auto"``), :mod:`.comm` (bytes per step by collective
 and group), :mod:`.step_time` (predicted seconds per step, by which the recommendation chooses),
-:mod:`.native_ep` (the peer's layout: transformers' FSDP2 + EP, per GPU and per step), and
-:mod:`.cli` (the ``zeromoe-plan`` command, ``python -m lightning_zeromoe.planner``; also from a Hugging Face
+:mod:`.native_ep` (the peer's layout: transformers' FSDP2 + EP, per GPU and per step), :mod:`.model_facts`
+(what is read from a Hugging Face config), :mod:`.rows` (every setup's row, the ranking, the table),
+:mod:`.native_report` (``--compare-native``), and :mod:`.cli` (the ``zeromoe-plan`` command, ``python -m lightning_zeromoe.planner``; also from a Hugging Face
 config; ``--compare-native``).
 """
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from lightning_zeromoe.knowledge import say
-from lightning_zeromoe.planner.cli import ModelFacts, PlannerInputError, load_config, model_facts
+from lightning_zeromoe.planner.model_facts import ModelFacts, PlannerInputError, load_config, model_facts
 from lightning_zeromoe.planner.plan import choose_stage, plan
 from lightning_zeromoe.planner.setups import GB, LADDER
 

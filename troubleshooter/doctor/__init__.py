@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", action="store_true",
                         help="print one Markdown block for a bug report: system, GPUs, CUDA, "
                              "packages, environment (secrets masked) and every check's verdict")
+    parser.add_argument("--dumps", metavar="DIR", help="with --report: a run's Flight Recorder dump directory "
+                        "to summarise (default: ./flight_recorder when it holds a trace from the last 15 min)")
     parser.add_argument("--config", metavar="PATH", help="also lint this DeepSpeed config")
     parser.add_argument("--ep-size", type=positive_int, metavar="N", help="planned expert-parallel size")
     parser.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per MoE layer")
@@ -77,7 +79,7 @@ def to_options(options: DoctorOptions | argparse.Namespace) -> DoctorOptions:
     return DoctorOptions(config=get("config"), ep_size=get("ep_size"), num_experts=get("num_experts"),
                          gpus_per_node=get("gpus_per_node"), world_size=get("world_size"),
                          timeout=get("timeout") or 60.0, shm_path=get("shm_path") or "/dev/shm",
-                         stale_lock_minutes=get("stale_lock_minutes") or 10.0,
+                         stale_lock_minutes=get("stale_lock_minutes") or 10.0, dumps=get("dumps"),
                          only=tuple(get("only") or FAMILIES), env=dict(os.environ))
 
 

@@ -200,6 +200,8 @@ class DoctorOptions:
     shm_path: str = "/dev/shm"
     stale_lock_minutes: float = 10.0
     only: tuple[str, ...] = FAMILIES
+    #: ``--dumps``: a run's Flight Recorder dump directory for ``--report`` (default: ./flight_recorder if fresh).
+    dumps: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
     def selected(self, family: str) -> bool:

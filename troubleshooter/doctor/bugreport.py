@@ -195,10 +195,28 @@ def render(results: Sequence[CheckResult], options: DoctorOptions, version: str)
         if name not in options.env:
             env.append((name, "(not set)"))
     lines += _section("Environment (secrets masked)", sorted(env))
+    lines += _hang_dumps(options)
     lines += ["**Checks**", "", "| | check | found |", "|---|---|---|"]
     lines += [f"| {TAGS[r.status].strip('[]').strip()} | {_cell(r.title)} | {_cell(r.found)} |" for r in results]
     lines += ["", "</details>", ""]
     return "\n".join(lines)
+
+
+def _hang_dumps(options: DoctorOptions) -> list[str]:
+    """The Flight Recorder dumps of a run (``--dumps DIR``, else ``./flight_recorder`` when it holds a trace
+    from the last 15 minutes): where they are and what ``explain`` makes of them."""
+    from troubleshooter import hangs
+
+    if options.dumps:
+        found = [Path(options.dumps)] if hangs.is_dump_dir(Path(options.dumps)) else []
+        if not found:
+            return ["**Flight Recorder dumps**", "", f"{options.dumps}: no rank<N> / process<N>.json here", ""]
+    else:
+        found = hangs.recent_dump_dirs([Path.cwd() / "flight_recorder"])
+    lines = []
+    for directory in found:
+        lines += ["**Flight Recorder dumps**", "", "```", *hangs.summary_lines(directory), "```", ""]
+    return lines
 
 
 def report_facts(results: Sequence[CheckResult], options: DoctorOptions) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""A run's Flight Recorder dump directory: its files, and how to ask the ranks for a fresh dump.
+
+Standard library only: the training side (:mod:`lightning_zeromoe.engine.flight_recorder`) writes
+these files, and ``troubleshooter hang-dump`` / ``explain`` read them without loading torch.
+
+* ``rank<N>``: rank N's Flight Recorder dump (torch's pickle format, what ``fr_trace`` reads);
+* ``process<N>.json``: rank N's pid, host and script, the groups it is in with their global ranks,
+  why and when it last dumped, and the modules its last ZeRO-3 gathers served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+TRACE_PREFIX = "rank"
+PROCESS_PREFIX = "process"
+TRACE = re.compile(rf"^{TRACE_PREFIX}(\d+)$")
+PROCESS = re.compile(rf"^{PROCESS_PREFIX}(\d+)\.json$")
+#: The signal that asks a rank for its dump (the strategy listens for it).
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def trace_file(directory: Path, rank: int) -> Path:
+    return directory / f"{TRACE_PREFIX}{rank}"
+
+
+def process_file(directory: Path, rank: int) -> Path:
+    return directory / f"{PROCESS_PREFIX}{rank}.json"
+
+
+def is_dump_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory holding at least one rank's trace or process file."""
+    return path.is_dir() and any(TRACE.match(p.name) or PROCESS.match(p.name) for p in path.iterdir())
+
+
+def read_processes(directory: Path) -> dict[int, dict[str, Any]]:
+    """Rank -> its process file's contents (unreadable files are skipped)."""
+    found = {}
+    for path in directory.iterdir():
+        if (match := PROCESS.match(path.name)) is None:
+            continue
+        try:
+            found[int(match.group(1))] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def runs_script(pid: int, script: str) -> bool:
+    """Whether process ``pid`` is alive and runs ``script`` (a stale pid file must not hit another process)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(script) and any(Path(arg.decode(errors="replace")).name == script for arg in cmdline)
+
+
+def request_dumps(directory: Path, skip_rank: int | None = None) -> list[tuple[int, int, str]]:
+    """Send :data:`DUMP_SIGNAL` to every rank of this host whose process file is in ``directory``.
+
+    Returns ``(rank, pid, outcome)`` per rank: ``"sent"``, ``"gone"`` (not running that script any
+    more) or ``"other host"``.
+    """
+    host = socket.gethostname()
+    done = []
+    for rank, info in sorted(read_processes(directory).items()):
+        pid = int(info.get("pid", 0))
+        if rank == skip_rank or pid == os.getpid():
+            continue
+        if info.get("host") != host:
+            done.append((rank, pid, "other host"))
+        elif not runs_script(pid, str(info.get("script", ""))):
+            done.append((rank, pid, "gone"))
+        else:
+            try:
+                os.kill(pid, DUMP_SIGNAL)
+                done.append((rank, pid, "sent"))
+            except (ProcessLookupError, PermissionError):
+                done.append((rank, pid, "gone"))
+    return done
+
+
+__all__ = ["DUMP_SIGNAL", "PROCESS", "TRACE", "is_dump_dir", "process_file", "read_processes", "request_dumps",
+           "runs_script", "trace_file"]

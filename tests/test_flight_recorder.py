@@ -1,0 +1,65 @@
+"""The Flight Recorder's switch (the user's settings win) and the on-demand dump on SIGUSR1.
+
+The dump test is a real one-rank gloo group in a child process: it records one all-reduce, then
+blocks its main thread; ``troubleshooter hang-dump`` (the real CLI) signals it through its process
+file, and the rank's watcher thread writes the trace torch's reader loads.
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from lightning_zeromoe.engine import flight_recorder
+from support.jobs import REPO, free_port, job_env
+
+
+def test_on_by_default_and_the_users_settings_win(tmp_path):
+    env: dict[str, str] = {}
+    assert flight_recorder.DEFAULT_BUFFER == 2000  # the figure docs/guides/hangs.md names
+    assert flight_recorder.enable(flight_recorder.DEFAULT_BUFFER, tmp_path, env).users_own is False
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "rank")}
+    env = {"TORCH_FR_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": "/elsewhere/trace_"}
+    settings = flight_recorder.enable(2000, tmp_path, env)
+    assert (settings.buffer, settings.users_own) == (64, True)
+    assert env == {"TORCH_FR_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": "/elsewhere/trace_"}
+    env = {}
+    assert flight_recorder.enable(0, tmp_path, env).buffer == 0 and env == {"TORCH_FR_BUFFER_SIZE": "0"}
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from lightning_zeromoe.engine import flight_recorder
+    directory = Path(sys.argv[1])
+    flight_recorder.enable(100, directory)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+    recorder = flight_recorder.Recorder(directory, 0, 1)
+    recorder.announce()
+    dist.all_reduce(torch.ones(3))
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_sigusr1_makes_a_blocked_rank_write_its_trace(tmp_path):
+    env = dict(job_env(), PYTHONPATH=str(REPO))
+    env.pop("TORCH_FR_BUFFER_SIZE", None)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(free_port())], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        proc = subprocess.run([sys.executable, "-m", "troubleshooter", "hang-dump", str(tmp_path), "--wait", "30"],
+                              capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        assert f"rank 0 (pid {child.pid}): sent" in proc.stderr, proc.stderr
+        dump = pickle.loads((tmp_path / "rank0").read_bytes())
+        ops = [(e["profiling_name"], e["input_sizes"]) for e in dump["entries"]]
+        assert ("gloo:all_reduce", [[3]]) in ops, ops
+        assert child.poll() is None  # the signal did not end it
+    finally:
+        child.kill()
+        child.wait()
