@@ -1,0 +1,127 @@
+"""Deciding which knowledge-base entries a report's evidence names, and saying why.
+
+Why not the first pattern that hits: a pattern written against one wording misses the others,
+and a broad one ("any error raised inside script X") claims errors whose cause and fixes are
+another's. So an entry is named on evidence, and the evidence is stated in its TOML file:
+
+* its ``patterns`` (and ``contextual`` ones), tried on the report as pasted and on its
+  normalised form (:mod:`troubleshooter.normalize`), so a mangled paste still matches;
+* ``[evidence] requires``: terms that must also hold for a pattern hit to count;
+* ``[evidence] excludes``: terms that rule the entry out, whatever matched;
+* ``[[evidence.claims]]``: sets of terms that name the entry without any of its patterns (the
+  shape of a message with a ZeRO-3 config beside it; a loss scale halving to its minimum);
+* ``broad`` (on the table or on a claim): the entry is named on that evidence only when no more
+  specific error entry is named; ``explain`` then also drops it when none of its fixes applies.
+
+A term is ``kind:regex``: a fact of that kind (:mod:`troubleshooter.evidence`) whose value the
+regex finds, case-insensitively; ``text:regex`` searches the normalised report itself. Every
+claim carries the facts it used (:attr:`Claimed.evidence`), which ``explain --why`` prints.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Iterable
+
+from troubleshooter.evidence import Evidence, Fact
+from troubleshooter.knowledge.matching import Match, line_at, match_entries, rank_key
+from troubleshooter.normalize import Normalized
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from lightning_zeromoe.knowledge import Entry
+
+__all__ = ["Claimed", "decide", "holds"]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """An entry the evidence names: its match (in the input's lines), the evidence, and whether
+    it was named on broad evidence only."""
+
+    match: Match
+    evidence: tuple[str, ...]
+    broad: bool = False
+
+
+@lru_cache(maxsize=None)
+def _compiled(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern, re.IGNORECASE | re.MULTILINE)
+
+
+def holds(term: str, ev: Evidence, norm: Normalized) -> Fact | None:
+    """The fact that makes ``term`` hold (the last one), or None."""
+    kind, _, pattern = term.partition(":")
+    if kind == "text":
+        hits = list(_compiled(pattern).finditer(norm.text))
+        if not hits:
+            return None
+        return Fact("text", hits[-1].group()[:160], norm.line_of_offset(hits[-1].start()), hits[-1].start())
+    return ev.find(kind, _compiled(pattern))
+
+
+def _in_input(m: Match, norm: Normalized) -> Match:
+    """A match found in the normalised text, placed on the input's line and quoting it."""
+    line_no = norm.line_of_offset(m.offset)
+    offset = norm.input_offset(m.offset)
+    return Match(m.entry, m.pattern, line_no, norm.quote(line_no)[:300], offset, m.count, m.details)
+
+
+def _at_fact(entry: "Entry", why: str, facts: list[Fact], norm: Normalized) -> Match:
+    """A match for a claim: on the line of its last located fact (else the input's last line)."""
+    located = [f for f in facts if f.line_no]
+    if located:
+        line_no = max(located, key=lambda f: f.line_no).line_no
+    else:
+        line_no = norm.original.rstrip("\n").count("\n") + 1
+    offset = norm.offset_of_line(line_no)
+    _no, snippet = line_at(norm.original, offset)
+    return Match(entry, f"claim: {why}", line_no, snippet, offset, 1, {})
+
+
+def _claim(entry: "Entry", ev: Evidence, norm: Normalized) -> Claimed | None:
+    for claim in entry.evidence.claims:
+        facts = [holds(t, ev, norm) for t in claim.when]
+        if not all(facts):
+            continue
+        if any(holds(t, ev, norm) is not None for t in claim.unless):
+            continue
+        used = [f for f in facts if f is not None]
+        return Claimed(_at_fact(entry, claim.why, used, norm),
+                       (f"claim: {claim.why}", *(f"{t} <- {f.describe()}" for t, f in zip(claim.when, used))),
+                       claim.broad)
+    return None
+
+
+def decide(text: str, norm: Normalized, ev: Evidence, entries: Iterable["Entry"]) -> list[Claimed]:
+    """The entries the report's evidence names, best first (``matching.rank_key``)."""
+    entries = tuple(entries)
+    found = {m.entry.id: (m, False) for m in match_entries(text, entries)}
+    if norm.changed:
+        for m in match_entries(norm.text, entries):
+            if m.entry.id not in found:
+                found[m.entry.id] = (_in_input(m, norm), True)
+    claimed: list[Claimed] = []
+    for entry in entries:
+        rules = entry.evidence
+        result: Claimed | None = None
+        if entry.id in found:
+            m, normalised = found[entry.id]
+            needed = [(t, holds(t, ev, norm)) for t in rules.requires]
+            if all(f is not None for _, f in needed):
+                how = " in the normalised paste" if normalised else ""
+                pattern = m.pattern if len(m.pattern) <= 100 else m.pattern[:99] + "…"
+                result = Claimed(m, (f"pattern{how}: {pattern} (line {m.line_no}, {m.count} hit"
+                                     f"{'s' if m.count != 1 else ''})",
+                                     *(f"requires {t} <- {f.describe()}" for t, f in needed if f)), rules.broad)
+        if result is None:
+            result = _claim(entry, ev, norm)
+        if result is None:
+            continue
+        if any(holds(t, ev, norm) is not None for t in rules.excludes):
+            continue
+        claimed.append(result)
+    if any(not c.broad and c.match.entry.severity == "error" for c in claimed):
+        claimed = [c for c in claimed if not c.broad]
+    return sorted(claimed, key=lambda c: rank_key(c.match))
