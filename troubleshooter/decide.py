@@ -61,10 +61,16 @@ def holds(term: str, ev: Evidence, norm: Normalized) -> Fact | None:
     return ev.find(kind, _compiled(pattern))
 
 
-def _in_input(m: Match, norm: Normalized) -> Match:
-    """A match found in the normalised text, placed on the input's line and quoting it."""
-    line_no = norm.line_of_offset(m.offset)
-    offset = norm.input_offset(m.offset)
+#: The normalised text is matched in its last this-many characters: a paste is short, and the
+#: input as it is was matched whole already.
+NORMALISED_CHARS = 256 * 1024
+
+
+def _in_input(m: Match, norm: Normalized, base: int) -> Match:
+    """A match found in the normalised text (from ``base`` on), placed on the input's line and
+    quoting it."""
+    line_no = norm.line_of_offset(base + m.offset)
+    offset = norm.input_offset(base + m.offset)
     return Match(m.entry, m.pattern, line_no, norm.quote(line_no)[:300], offset, m.count, m.details)
 
 
@@ -99,9 +105,11 @@ def decide(text: str, norm: Normalized, ev: Evidence, entries: Iterable["Entry"]
     entries = tuple(entries)
     found = {m.entry.id: (m, False) for m in match_entries(text, entries)}
     if norm.changed:
-        for m in match_entries(norm.text, entries):
+        start = len(norm.text) - NORMALISED_CHARS
+        base = 0 if start <= 0 else norm.text.find("\n", start) + 1
+        for m in match_entries(norm.text[base:], entries):
             if m.entry.id not in found:
-                found[m.entry.id] = (_in_input(m, norm), True)
+                found[m.entry.id] = (_in_input(m, norm, base), True)
     claimed: list[Claimed] = []
     for entry in entries:
         rules = entry.evidence

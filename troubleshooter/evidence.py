@@ -17,6 +17,7 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
 * ``phase``: where it failed: ``backward``, ``forward``, ``optimizer-step``, ``initialize``,
   ``checkpoint-save``, ``checkpoint-load``, ``build``;
 * ``number``: numbers with a meaning: ``shape-zero`` (a size-0 tensor in an error message),
+  ``params-size-zero`` (a printout listing parameters with 0 elements),
   ``oom requested=... free=...``, ``timeout-ms=600000``;
 * ``trend``: patterns over time: ``loss-scale-collapse`` (:mod:`troubleshooter.loss_scale`),
   ``expert-collapse`` (:mod:`troubleshooter.expert_load`), ``throughput-decay``,
@@ -68,7 +69,8 @@ _STACK = (
 _PHASES = (
     ("backward", re.compile(r"\bbackward\b|autograd|_engine_run_backward|reduce_scatter|grad_fn", re.I)),
     ("optimizer-step", re.compile(r"optimizer\.step|in step$|\bstep\(\)|_take_model_step|optimizer_step", re.I | re.M)),
-    ("checkpoint-save", re.compile(r"save_checkpoint|_save_zero_checkpoint|torch\.save\b|save_model", re.I)),
+    ("checkpoint-save", re.compile(r"save_checkpoint|_save_zero_checkpoint|torch\.save\b|save_model"
+                                   r"|serialization\.py::_?save\b", re.I)),
     ("checkpoint-load", re.compile(r"load_checkpoint|load_state_dict|zero_to_fp32|ds_to_universal|from_pretrained",
                                    re.I)),
     ("initialize", re.compile(r"deepspeed\.initialize|in initialize$|__init__|_configure_|setup\b", re.I | re.M)),
@@ -79,10 +81,21 @@ _PHASES = (
 _SHAPE_ZERO = re.compile(
     r"Size\(\[0\]\)|\[0\]|\[-?\d+, 0\]|\[0, |, 0\]|\((?:tensor [ab]|vec|existing size)\) ?\(0\)|\b(?:tensor [ab]|vec|existing size) \(0\)"
     r"|\bsize 0\b|\b0x\d+\b|of 0 elements|numel(?:\(\))? (?:is |== )?0\b|input of size [01]\b", re.I)
+#: A printout line naming a parameter and a size of 0 (``layers.3.fc1.weight, 0``,
+#: ``... torch.Size([0])``, ``numel: 0``): many of them are ZeRO-3's partitioned placeholders.
+_PARAM_ZERO = re.compile(r"^\W*[\w.]+\.(?:weight|bias)\b\W{1,4}(?:(?:numel|shape|size)\W{0,3})?"
+                         r"(?:0|torch\.Size\(\[0\]\)|\[0\]|\(0,?\))\s*$", re.M)
+#: This many such lines make a listing, not an accident.
+PARAM_ZERO_LINES = 5
 _TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms|(\d+) milliseconds before timing out", re.I)
 _RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it|samples/s(?:ec)?|tokens?/s(?:ec)?|tok/s|TFLOPS)\b"
                    r"|(?P<key>samples_per_second|tokens_per_sec(?:ond)?|throughput)\W{1,3}(?P<value2>\d+(?:\.\d+)?)", re.I)
 _RANK_PREFIX = re.compile(r"^\s*(?:\[rank(\d+)\]:|(\d{1,3}): )")
+#: Stack and configuration facts are looked for in this many characters at the start of a report
+#: (where config printouts are) and TAIL_CHARS at its end (where the error is): a 4 MiB log is
+#: not searched whole by every fact's regex. Library lines are read from the tail only.
+HEAD_CHARS = 32 * 1024
+TAIL_CHARS = 128 * 1024
 #: A throughput series must have this many points, and end below this share of its early best.
 TREND_POINTS = 6
 DECAY_SHARE = 0.5
@@ -150,18 +163,24 @@ def _frames(norm: Normalized) -> list[Fact]:
 
 def _library_lines(norm: Normalized) -> list[Fact]:
     text = norm.text
+    start = max(0, len(text) - TAIL_CHARS)
     out = [Fact("library", f"deepspeed {m.group('level')} {text[m.start():text.find(chr(10), m.start())].strip()}",
-                norm.line_of_offset(m.start()), m.start()) for m in _DS_LINE.finditer(text)]
-    out += [Fact("library", f"nccl {m.group('level')} {m.group('text').strip()}", norm.line_of_offset(m.start()),
-                 m.start()) for m in _NCCL_LINE.finditer(text)]
+                norm.line_of_offset(m.start()), m.start()) for m in _DS_LINE.finditer(text, start)]
+    if "NCCL" in text:
+        out += [Fact("library", f"nccl {m.group('level')} {m.group('text').strip()}", norm.line_of_offset(m.start()),
+                     m.start()) for m in _NCCL_LINE.finditer(text, start)]
     out += [Fact("library", f"torch {m.group('level')} {m.group('text').strip()}", norm.line_of_offset(m.start()),
-                 m.start()) for m in _TORCH_LINE.finditer(text)]
+                 m.start()) for m in _TORCH_LINE.finditer(text, start)]
     return out
 
 
 def _config(norm: Normalized) -> list[Fact]:
     seen: dict[str, Fact] = {}
-    for m in _CONFIG.finditer(norm.text):
+    text = norm.text
+    hits = [*_CONFIG.finditer(text, 0, min(len(text), HEAD_CHARS))]
+    if len(text) > HEAD_CHARS:
+        hits += _CONFIG.finditer(text, max(HEAD_CHARS, len(text) - TAIL_CHARS))
+    for m in hits:
         value = m.group("value").strip("\"'")
         seen[f"{m.group('key')}={value}"] = Fact("config", f"{m.group('key')}={value}",
                                                   norm.line_of_offset(m.start()), m.start())
@@ -169,7 +188,11 @@ def _config(norm: Normalized) -> list[Fact]:
 
 
 def _first(pattern: re.Pattern[str], norm: Normalized) -> int | None:
-    hit = pattern.search(norm.text)
+    """The first hit in the head or the tail of the report (a huge log is not read whole)."""
+    text = norm.text
+    hit = pattern.search(text, 0, min(len(text), HEAD_CHARS))
+    if hit is None and len(text) > HEAD_CHARS:
+        hit = pattern.search(text, max(HEAD_CHARS, len(text) - TAIL_CHARS))
     return None if hit is None else hit.start()
 
 
@@ -197,6 +220,11 @@ def _numbers(norm: Normalized, errors: list[Fact]) -> list[Fact]:
         if e.kind == "error" and re.search(r"shape|size|dimension|broadcast|numel|view|reshape", e.value, re.I) \
                 and _SHAPE_ZERO.search(e.value):
             out.append(Fact("number", "shape-zero", e.line_no, e.offset))
+    listing = list(_PARAM_ZERO.finditer(norm.text[-TAIL_CHARS:]))
+    if len(listing) >= PARAM_ZERO_LINES:
+        base = max(0, len(norm.text) - TAIL_CHARS)
+        out.append(Fact("number", f"params-size-zero: {len(listing)} parameters listed with 0 elements",
+                        norm.line_of_offset(base + listing[0].start()), base + listing[0].start()))
     oom = parse_oom(norm.text)
     if oom is not None:
         out.append(Fact("number", f"oom {oom.summary()}", 0))
@@ -243,18 +271,25 @@ def _stopped_same_line(text: str) -> str | None:
 
 
 def _trends(norm: Normalized) -> list[Fact]:
+    """Trends in the report's last TAIL_CHARS (line numbers are those of the whole input)."""
     out = []
-    reason = loss_scale.collapse(loss_scale.history(norm.original))
+    base = max(0, len(norm.original) - TAIL_CHARS)
+    tail = norm.original[base:]
+    skipped = norm.original.count("\n", 0, base)
+    lowered = tail.lower()
+    reason = (loss_scale.collapse(loss_scale.history(tail))
+              if "overflow" in lowered or "loss scale" in lowered or "skipped=" in lowered else None)
     if reason:
         out.append(Fact("trend", f"loss-scale-collapse: {reason}", 0))
-    found = expert_load.find_collapse(norm.original)
+    expert = "expert" in lowered or "topk" in lowered or "top_k" in lowered or "router" in lowered
+    found = expert_load.find_collapse(tail) if expert else None
     if found is not None:
-        out.append(Fact("trend", f"expert-collapse: {found.summary}",
-                        norm.original.count("\n", 0, found.offset) + 1))
-    decay = _throughput_decay(norm.text)
+        out.append(Fact("trend", f"expert-collapse: {found.summary}", skipped + tail.count("\n", 0, found.offset) + 1))
+    rates = any(k in lowered for k in ("/s", "it/", "throughput", "per_second", "per_sec", "tflops"))
+    decay = _throughput_decay(tail) if rates else None
     if decay:
         out.append(Fact("trend", f"throughput-decay: {decay}", 0))
-    stopped = _stopped_same_line(norm.original)
+    stopped = _stopped_same_line(tail)
     if stopped:
         out.append(Fact("trend", f"stopped-same-line: {stopped}", 0))
     return out

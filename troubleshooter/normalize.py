@@ -33,9 +33,11 @@ Normalising never removes information a pattern needs: ``explain`` matches the i
 
 from __future__ import annotations
 
+import bisect
 import html
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 __all__ = ["ERROR_LINE", "Normalized", "identifier_vocabulary", "normalize"]
@@ -75,6 +77,8 @@ _PATH_SPLIT = re.compile(r"(?<=[\w.-][/\\]) +(?=[\w.-]+(?:[/\\]|\.py\b))|(?<=\w)
 _STRUCTURAL = re.compile(
     r"^\s*(?:Traceback \(|File \"|During handling|The above exception|\[|\d{4}-\d{2}-\d{2}|"
     r"[A-Z]\w*(?:Error|Exception|Warning)\b|[$#>]|\w+ = |\w+: )")
+#: Identifiers are repaired in this many characters at the end of the text (see _Repairer).
+REPAIR_CHARS = 128 * 1024
 _WRAP_MIN = 50  # a line shorter than this that does not end a sentence is not a wrapped one
 _WRAP_LINES = 3  # at most this many continuation lines are appended
 
@@ -103,9 +107,17 @@ class Normalized:
             return 1
         return self.lines[min(max(line_no, 1), len(self.lines)) - 1]
 
+    @cached_property
+    def _starts(self) -> list[int]:
+        return _line_starts(self.text)
+
+    @cached_property
+    def _input_starts(self) -> list[int]:
+        return _line_starts(self.original)
+
     def line_of_offset(self, offset: int) -> int:
         """The input's line number of a character offset into the normalised text."""
-        return self.input_line(self.text.count("\n", 0, offset) + 1)
+        return self.input_line(bisect.bisect_right(self._starts, offset))
 
     def input_offset(self, offset: int) -> int:
         """The offset in the input of the start of the line a normalised offset falls on."""
@@ -113,12 +125,12 @@ class Normalized:
 
     def offset_of_line(self, line_no: int) -> int:
         """The offset in the input where its line ``line_no`` (1-based) starts."""
-        starts = _line_starts(self.original)
+        starts = self._input_starts
         return starts[min(max(line_no, 1), len(starts)) - 1]
 
     def quote(self, line_no: int) -> str:
         """The input's own text of its line ``line_no`` (to quote back to the user)."""
-        starts = _line_starts(self.original)
+        starts = self._input_starts
         i = min(max(line_no, 1), len(starts)) - 1
         end = self.original.find("\n", starts[i])
         return self.original[starts[i]:end if end != -1 else len(self.original)].strip()
@@ -274,6 +286,11 @@ def undo_inline_markdown(lines: list[_Line]) -> list[_Line]:
 
 
 _IDENT = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?:\.py)?")
+_REGEX_ESCAPE = re.compile(r"\\[A-Za-z]")
+#: First words too common in prose to start an identifier repair (``not found`` is no ``not_found``).
+_COMMON = frozenset({"all", "not", "one", "set", "get", "file", "log", "bad", "ran", "base", "index", "load",
+                     "save", "model", "module", "default", "failed", "active", "extra", "inline", "plan", "min",
+                     "num", "the", "and", "for", "use", "has", "can", "per", "new", "old", "max"})
 
 
 def identifier_vocabulary(sources: Iterable[str]) -> frozenset[str]:
@@ -281,7 +298,10 @@ def identifier_vocabulary(sources: Iterable[str]) -> frozenset[str]:
     escape (``partition_parameters\\.py``) is read as the character it escapes."""
     words: set[str] = set()
     for source in sources:
-        words.update(w for w in _IDENT.findall(source.replace("\\.", ".")) if len(w) >= 6)
+        plain = _REGEX_ESCAPE.sub(" ", source.replace("\\.", "."))
+        words.update(w for w in _IDENT.findall(plain)
+                     if len(w) >= 6 and (len(w.split("_")[0]) >= 3 or w.startswith("ds_"))
+                     and w.split("_")[0].lower() not in _COMMON)
     return frozenset(words)
 
 
@@ -299,6 +319,18 @@ class _Repairer:
                 (re.compile(spaced + r"(?![\w])", re.I), word))
         self.by_first = by_first
         self.token = re.compile(r"(?<![\w])[A-Za-z][A-Za-z0-9]*")
+        firsts = "|".join(re.escape(f) for f in sorted(by_first, key=len, reverse=True))
+        #: a first part followed by a space: the only places a repair can happen
+        self.candidate = re.compile(r"(?<![\w])(?:" + firsts + r") ", re.I) if by_first else None
+
+    def lines_to_repair(self, text: str) -> set[int]:
+        """The 0-based numbers of the lines of ``text`` where a repair may happen, in its last
+        REPAIR_CHARS (a paste is short; a log of megabytes was written by programs, not mangled)."""
+        if self.candidate is None:
+            return set()
+        starts = _line_starts(text)
+        return {bisect.bisect_right(starts, m.start()) - 1
+                for m in self.candidate.finditer(text, max(0, len(text) - REPAIR_CHARS))}
 
     def repair(self, line: str) -> str:
         if not self.by_first or (" " not in line):
@@ -323,9 +355,11 @@ class _Repairer:
 def repair_identifiers(lines: list[_Line], vocabulary: Iterable[str] = ()) -> list[_Line]:
     """Known identifiers get their underscores back; a path split at a space is rejoined."""
     repairer = _Repairer(vocabulary)
+    todo = repairer.lines_to_repair("\n".join(line for _, line in lines))
     out = []
-    for no, line in lines:
-        line = repairer.repair(line)
+    for i, (no, line) in enumerate(lines):
+        if i in todo:
+            line = repairer.repair(line)
         if " " in line and ("/" in line or "\\" in line or ".py" in line):
             line = _PATH_SPLIT.sub("", line)
         out.append((no, line))
