@@ -90,6 +90,8 @@ PARAM_ZERO_LINES = 5
 _TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms|(\d+) milliseconds before timing out", re.I)
 _RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it|samples/s(?:ec)?|tokens?/s(?:ec)?|tok/s|TFLOPS)\b"
                    r"|(?P<key>samples_per_second|tokens_per_sec(?:ond)?|throughput)\W{1,3}(?P<value2>\d+(?:\.\d+)?)", re.I)
+#: A line of the loss-scale history (where a loss-scale trend is quoted from).
+_SCALE_LINE = re.compile(r"OVERFLOW|overflow|\bskipped[=:]|loss scale|Minimum loss scale", re.I)
 _RANK_PREFIX = re.compile(r"^\s*(?:\[rank(\d+)\]:|(\d{1,3}): )")
 #: Stack and configuration facts are looked for in this many characters at the start of a report
 #: (where config printouts are) and TAIL_CHARS at its end (where the error is): a 4 MiB log is
@@ -280,7 +282,11 @@ def _trends(norm: Normalized) -> list[Fact]:
     reason = (loss_scale.collapse(loss_scale.history(tail))
               if "overflow" in lowered or "loss scale" in lowered or "skipped=" in lowered else None)
     if reason:
-        out.append(Fact("trend", f"loss-scale-collapse: {reason}", 0))
+        last = None
+        for last in _SCALE_LINE.finditer(tail):
+            pass
+        line_no = skipped + tail.count("\n", 0, last.start()) + 1 if last else 0
+        out.append(Fact("trend", f"loss-scale-collapse: {reason}", line_no))
     expert = "expert" in lowered or "topk" in lowered or "top_k" in lowered or "router" in lowered
     found = expert_load.find_collapse(tail) if expert else None
     if found is not None:

@@ -63,7 +63,7 @@ _RANK = re.compile(r"^\s*(?:\[(?:rank|default)(?P<a>\d{1,4})\]:|(?P<b>\d{1,4}): 
 _HOST = re.compile(r"^(?P<host>[A-Za-z][\w.-]{1,62}): (?=\S)")
 _TIMESTAMP = re.compile(
     r"^\s*\[?(?:\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
-    r"|\d{2}:\d{2}:\d{2}(?:[.,]\d+)?|[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2})\]?(?: *\|)?\s+")
+    r"|\d{2}:\d{2}:\d{2}(?:[.,]\d+)?|[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2})\]?(?: *\|)?[ \t]")
 #: An exception name: dotted, ending in Error/Exception/..., or one of the bare ones.
 _EXC_NAME = (r"(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Failure|Interrupt)"
              r"|AssertionError|KeyboardInterrupt|StopIteration)")
@@ -72,11 +72,13 @@ ERROR_LINE = re.compile(r"^\W{0,4}(?P<type>" + _EXC_NAME + r")(?::[ \t]*(?P<mess
 _IN_PROSE = re.compile(r"(?<![\w.])(?P<type>" + _EXC_NAME + r")(?P<rest>(?::|(?= *$))[^\n]*)")
 _BACKTICKED = re.compile(r"`{1,3}([^`\n]+)`{1,3}")
 _EMPHASIS = re.compile(r"(\*\*|__)(?=\S)([^\n]+?)(?<=\S)\1")
-_PATH_SPLIT = re.compile(r"(?<=[\w.-][/\\]) +(?=[\w.-]+(?:[/\\]|\.py\b))|(?<=\w) +(?=\.py\b)")
+#: The file name of a path with spaces where underscores were (``zero/partition parameters.py``).
+_SPACED_FILE = re.compile(r"(?<=[/\\])[\w-]+(?: +[\w-]+)+(?=\.py\b)")
+_PATH_SPLIT = re.compile(r"(?<=[\w.-][/\\]) +(?=[\w.-]+(?: [\w.-]+){0,3}(?:[/\\]|\.py\b))|(?<=\w) +(?=\.py\b)")
 #: A line that starts something new: not the continuation of a wrapped message.
 _STRUCTURAL = re.compile(
     r"^\s*(?:Traceback \(|File \"|During handling|The above exception|\[|\d{4}-\d{2}-\d{2}|"
-    r"[A-Z]\w*(?:Error|Exception|Warning)\b|[$#>]|\w+ = |\w+: )")
+    r"[A-Z]\w*(?:Error|Exception|Warning)\b|(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL)\b|[$#>]|\w+ = |\w+: )")
 #: Identifiers are repaired in this many characters at the end of the text (see _Repairer).
 REPAIR_CHARS = 128 * 1024
 _WRAP_MIN = 50  # a line shorter than this that does not end a sentence is not a wrapped one
@@ -167,10 +169,10 @@ def undo_markdown_blocks(lines: list[_Line]) -> list[_Line]:
     """Drop code fences and HTML wrappers; strip block quotes and bullets."""
     out = []
     for no, line in lines:
+        line = _QUOTE.sub("", line, count=1)
         if _FENCE.match(line):
             continue
         line = _HTML_TAG.sub("", line) if "<" in line else line
-        line = _QUOTE.sub("", line, count=1)
         line = _BULLET.sub("", line, count=1)
         out.append((no, line))
     return out
@@ -253,7 +255,7 @@ def _error_in(span: str) -> str | None:
 def lift_errors_from_prose(lines: list[_Line]) -> list[_Line]:
     """A line that mentions an exception after other words gets the exception on a line of its
     own below it: ``我运行时报错 `RuntimeError: x` 怎么办`` -> ``RuntimeError: x``. A quoted
-    (backticked) span is cut at its closing backtick; otherwise the rest of the line is taken."""
+    (backticked or bold) span is cut where it closes; otherwise the rest of the line is taken."""
     out = []
     for no, line in lines:
         out.append((no, line))
@@ -261,7 +263,7 @@ def lift_errors_from_prose(lines: list[_Line]) -> list[_Line]:
             continue
         if ERROR_LINE.match(line.strip()):
             continue
-        spans = [m.group(1) for m in _BACKTICKED.finditer(line)]
+        spans = [m.group(1) for m in _BACKTICKED.finditer(line)] + [m.group(2) for m in _EMPHASIS.finditer(line)]
         lifted = [e for s in spans if (e := (s.strip() if ERROR_LINE.match(s.strip()) else _error_in(" " + s)))]
         if not lifted:
             found = _error_in(_EMPHASIS.sub(r"\2", line.replace("`", "")))
@@ -362,6 +364,8 @@ def repair_identifiers(lines: list[_Line], vocabulary: Iterable[str] = ()) -> li
             line = repairer.repair(line)
         if " " in line and ("/" in line or "\\" in line or ".py" in line):
             line = _PATH_SPLIT.sub("", line)
+            if ".py" in line:
+                line = _SPACED_FILE.sub(lambda m: re.sub(r" +", "_", m.group()), line)
         out.append((no, line))
     return out
 
