@@ -42,7 +42,7 @@ __all__ = ["Evidence", "Fact", "collect", "helpful", "summary"]
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"\n]+)",? line (?P<line>\d+),? in (?P<func>[^\s\n]+)', re.M)
 _DS_LINE = re.compile(r"^\s*(?:\[[^\]\n]*\]\s*)?\[(?P<level>INFO|WARNING|ERROR|DEBUG)\]\s*\[(?P<src>[\w.]+):\d+", re.M)
 _NCCL_LINE = re.compile(r"^\s*[\w.-]*:\d+:\d+ \[\d+\] NCCL (?P<level>INFO|WARN|ERROR) (?P<text>[^\n]*)", re.M)
-_TORCH_LINE = re.compile(r"^\s*\[?(?P<level>[WEI])\d{4} [\d:.]+ \d+ (?P<text>[^\n]*)", re.M)
+_TORCH_LINE = re.compile(r"^\s*\[?(?P<level>[WEI])\d{4} [\d:.]+ (?:\d+ )?(?P<text>[^\n]*)", re.M)
 _CONFIG = re.compile(
     r"""["']?(?P<key>stage|zero_optimization_stage|offload_(?:param|optimizer)|overlap_comm|contiguous_gradients"""
     r"""|reduce_bucket_size|stage3_[a-z_]+|train_micro_batch_size_per_gpu|gradient_accumulation_steps"""
@@ -67,15 +67,16 @@ _STACK = (
     ("moe", re.compile(r"\bMoE\b|mixture.of.experts|\bexperts?\b|ep_size|moe", re.I)),
 )
 _PHASES = (
-    ("backward", re.compile(r"\bbackward\b|autograd|_engine_run_backward|reduce_scatter|grad_fn", re.I)),
-    ("optimizer-step", re.compile(r"optimizer\.step|in step$|\bstep\(\)|_take_model_step|optimizer_step", re.I | re.M)),
+    ("backward", re.compile(r"::backward$|_engine_run_backward|run_backward|reduce_(?:ready_partitions|partition)"
+                            r"|reduce_scatter|grad_fn", re.I | re.M)),
+    ("optimizer-step", re.compile(r"::step$|_take_model_step|optimizer_step", re.I | re.M)),
     ("checkpoint-save", re.compile(r"save_checkpoint|_save_zero_checkpoint|torch\.save\b|save_model"
                                    r"|serialization\.py::_?save\b", re.I)),
     ("checkpoint-load", re.compile(r"load_checkpoint|load_state_dict|zero_to_fp32|ds_to_universal|from_pretrained",
                                    re.I)),
-    ("initialize", re.compile(r"deepspeed\.initialize|in initialize$|__init__|_configure_|setup\b", re.I | re.M)),
+    ("initialize", re.compile(r"::initialize$|::__init__$|::_configure_|::setup$", re.I | re.M)),
     ("build", re.compile(r"ninja|JIT|op_builder|building extension|CUDA_HOME|nvcc", re.I)),
-    ("forward", re.compile(r"\bforward\b|_call_impl", re.I)),
+    ("forward", re.compile(r"::(?:forward|_forward|_call_impl|zero3_linear_wrap)$", re.I | re.M)),
 )
 #: An error message with a size-0 tensor or dimension (a ZeRO-3 placeholder's shape).
 _SHAPE_ZERO = re.compile(
@@ -204,14 +205,13 @@ def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -
         at = _first(pattern, norm)
         if at is not None:
             out.append(Fact("stack", name, norm.line_of_offset(at), at))
-    # the phase: the innermost frames of the last traceback tell it best; the text otherwise
+    # the phase: the innermost frame of the last traceback that tells one (frames outward)
     last_error = errors[-1].offset if errors else len(norm.text)
     near = [f for f in frames if f.offset < last_error][-12:]
-    where = "\n".join(f.value for f in near) if near else ""
-    for name, pattern in _PHASES:
-        hit = pattern.search(where) if where else None
-        if hit is not None:
-            out.append(Fact("phase", name, near[-1].line_no, near[-1].offset))
+    for frame in reversed(near):
+        name = next((n for n, pattern in _PHASES if pattern.search(frame.value)), None)
+        if name is not None:
+            out.append(Fact("phase", name, frame.line_no, frame.offset))
             break
     return out
 
@@ -291,7 +291,7 @@ def _trends(norm: Normalized) -> list[Fact]:
     found = expert_load.find_collapse(tail) if expert else None
     if found is not None:
         out.append(Fact("trend", f"expert-collapse: {found.summary}", skipped + tail.count("\n", 0, found.offset) + 1))
-    rates = any(k in lowered for k in ("/s", "it/", "throughput", "per_second", "per_sec", "tflops"))
+    rates = any(k in lowered for k in ("/s", "s/it", "throughput", "per_second", "per_sec", "tflops"))
     decay = _throughput_decay(tail) if rates else None
     if decay:
         out.append(Fact("trend", f"throughput-decay: {decay}", 0))
