@@ -45,6 +45,11 @@ class Claimed:
     broad: bool = False
 
 
+#: The normalised text is matched in its last this-many characters: a paste is short, and the
+#: input as it is was matched whole already.
+NORMALISED_CHARS = 256 * 1024
+
+
 @lru_cache(maxsize=None)
 def _compiled(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern, re.IGNORECASE | re.MULTILINE)
@@ -53,17 +58,15 @@ def _compiled(pattern: str) -> re.Pattern[str]:
 def holds(term: str, ev: Evidence, norm: Normalized) -> Fact | None:
     """The fact that makes ``term`` hold (the last one), or None."""
     kind, _, pattern = term.partition(":")
-    if kind == "text":
-        hits = list(_compiled(pattern).finditer(norm.text))
-        if not hits:
+    if kind == "text":  # the report's last NORMALISED_CHARS, like the normalised matching
+        start = max(0, len(norm.text) - NORMALISED_CHARS)
+        last = None
+        for last in _compiled(pattern).finditer(norm.text, start):
+            pass
+        if last is None:
             return None
-        return Fact("text", hits[-1].group()[:160], norm.line_of_offset(hits[-1].start()), hits[-1].start())
+        return Fact("text", last.group()[:160], norm.line_of_offset(last.start()), last.start())
     return ev.find(kind, _compiled(pattern))
-
-
-#: The normalised text is matched in its last this-many characters: a paste is short, and the
-#: input as it is was matched whole already.
-NORMALISED_CHARS = 256 * 1024
 
 
 def _in_input(m: Match, norm: Normalized, base: int) -> Match:
@@ -88,7 +91,11 @@ def _at_fact(entry: "Entry", why: str, facts: list[Fact], norm: Normalized) -> M
 
 def _claim(entry: "Entry", ev: Evidence, norm: Normalized) -> Claimed | None:
     for claim in entry.evidence.claims:
-        facts = [holds(t, ev, norm) for t in claim.when]
+        facts: list[Fact | None] = []
+        for term in claim.when:  # in order, stopping at the first that does not hold
+            facts.append(holds(term, ev, norm))
+            if facts[-1] is None:
+                break
         if not all(facts):
             continue
         if any(holds(t, ev, norm) is not None for t in claim.unless):

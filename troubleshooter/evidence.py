@@ -97,8 +97,10 @@ _RANK_PREFIX = re.compile(r"^\s*(?:\[rank(\d+)\]:|(\d{1,3}): )")
 #: Stack and configuration facts are looked for in this many characters at the start of a report
 #: (where config printouts are) and TAIL_CHARS at its end (where the error is): a 4 MiB log is
 #: not searched whole by every fact's regex. Library lines are read from the tail only.
-HEAD_CHARS = 32 * 1024
+HEAD_CHARS = 16 * 1024
 TAIL_CHARS = 128 * 1024
+#: The stack (what ran) is looked for in HEAD_CHARS and this many characters at the end.
+STACK_TAIL_CHARS = 64 * 1024
 #: A throughput series must have this many points, and end below this share of its early best.
 TREND_POINTS = 6
 DECAY_SHARE = 0.5
@@ -195,7 +197,7 @@ def _first(pattern: re.Pattern[str], norm: Normalized) -> int | None:
     text = norm.text
     hit = pattern.search(text, 0, min(len(text), HEAD_CHARS))
     if hit is None and len(text) > HEAD_CHARS:
-        hit = pattern.search(text, max(HEAD_CHARS, len(text) - TAIL_CHARS))
+        hit = pattern.search(text, max(HEAD_CHARS, len(text) - STACK_TAIL_CHARS))
     return None if hit is None else hit.start()
 
 
@@ -227,13 +229,15 @@ def _numbers(norm: Normalized, errors: list[Fact]) -> list[Fact]:
         base = max(0, len(norm.text) - TAIL_CHARS)
         out.append(Fact("number", f"params-size-zero: {len(listing)} parameters listed with 0 elements",
                         norm.line_of_offset(base + listing[0].start()), base + listing[0].start()))
-    oom = parse_oom(norm.text)
+    base = max(0, len(norm.text) - TAIL_CHARS)
+    tail = norm.text[base:]
+    oom = parse_oom(tail) if "memory" in tail else None
     if oom is not None:
         out.append(Fact("number", f"oom {oom.summary()}", 0))
-    hit = _TIMEOUT.search(norm.text)
+    hit = _TIMEOUT.search(tail) if "out" in tail else None
     if hit:
         ms = next(g for g in hit.groups() if g)
-        out.append(Fact("number", f"timeout-ms={ms}", norm.line_of_offset(hit.start()), hit.start()))
+        out.append(Fact("number", f"timeout-ms={ms}", norm.line_of_offset(base + hit.start()), base + hit.start()))
     return out
 
 

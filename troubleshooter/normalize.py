@@ -57,6 +57,7 @@ _ENTITY = re.compile(r"&(?:[a-zA-Z]{2,8}|#\d{1,6}|#x[0-9a-fA-F]{1,5});")
 _FENCE = re.compile(r"^\s{0,3}(?:`{3,}|~{3,})[\w+.-]*\s*$")
 _QUOTE = re.compile(r"^\s{0,3}(?:>\s?)+")
 _BULLET = re.compile(r"^\s{0,6}(?:[-*+\u2022]|\d{1,2}[.)])\s+(?=\S)")
+_BULLET_FIRST = frozenset("-*+\u20220123456789")
 _HTML_TAG = re.compile(r"</?(?:details|summary|pre|code|br|p|b|i|em|strong|kbd|sub|sup)\b[^>\n]{0,80}>", re.I)
 #: Rank prefixes torch, torchrun, srun -l and the DeepSpeed launcher put before a line.
 _RANK = re.compile(r"^\s*(?:\[(?:rank|default)(?P<a>\d{1,4})\]:|(?P<b>\d{1,4}): |\[RANK (?P<c>\d{1,4})\] )")
@@ -64,6 +65,7 @@ _HOST = re.compile(r"^(?P<host>[A-Za-z][\w.-]{1,62}): (?=\S)")
 _TIMESTAMP = re.compile(
     r"^\s*\[?(?:\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
     r"|\d{2}:\d{2}:\d{2}(?:[.,]\d+)?|[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2})\]?(?: *\|)?[ \t]")
+_STAMP_FIRST = frozenset("[0123456789ADFJMNOS")  # a digit, '[' or a month's initial
 #: An exception name: dotted, ending in Error/Exception/..., or one of the bare ones.
 _EXC_NAME = (r"(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Failure|Interrupt)"
              r"|AssertionError|KeyboardInterrupt|StopIteration)")
@@ -71,7 +73,8 @@ _EXC_NAME = (r"(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Failure|Interr
 ERROR_LINE = re.compile(r"^\W{0,4}(?P<type>" + _EXC_NAME + r")(?::[ \t]*(?P<message>[^\n]*))?$")
 _IN_PROSE = re.compile(r"(?<![\w.])(?P<type>" + _EXC_NAME + r")(?P<rest>(?::|(?= *$))[^\n]*)")
 _BACKTICKED = re.compile(r"`{1,3}([^`\n]+)`{1,3}")
-_EMPHASIS = re.compile(r"(\*\*|__)(?=\S)([^\n]+?)(?<=\S)\1")
+#: ``**bold**`` (``__bold__`` is left alone: it is also Python's ``__init__``).
+_EMPHASIS = re.compile(r"(\*\*)(?=\S)([^\n]+?)(?<=\S)\1")
 #: The file name of a path with spaces where underscores were (``zero/partition parameters.py``).
 _SPACED_FILE = re.compile(r"(?<=[/\\])[\w-]+(?: +[\w-]+)+(?=\.py\b)")
 _PATH_SPLIT = re.compile(r"(?<=[\w.-][/\\]) +(?=[\w.-]+(?: [\w.-]+){0,3}(?:[/\\]|\.py\b))|(?<=\w) +(?=\.py\b)")
@@ -80,7 +83,7 @@ _STRUCTURAL = re.compile(
     r"^\s*(?:Traceback \(|File \"|During handling|The above exception|\[|\d{4}-\d{2}-\d{2}|"
     r"[A-Z]\w*(?:Error|Exception|Warning)\b|(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL)\b|[$#>]|\w+ = |\w+: )")
 #: Identifiers are repaired in this many characters at the end of the text (see _Repairer).
-REPAIR_CHARS = 128 * 1024
+REPAIR_CHARS = 64 * 1024
 _WRAP_MIN = 50  # a line shorter than this that does not end a sentence is not a wrapped one
 _WRAP_LINES = 3  # at most this many continuation lines are appended
 
@@ -155,7 +158,8 @@ def fix_characters(lines: list[_Line]) -> list[_Line]:
     """Curly quotes, full-width punctuation, odd spaces and HTML entities to their plain forms."""
     out = []
     for no, line in lines:
-        line = line.translate(_CHAR_MAP)
+        if not line.isascii():
+            line = line.translate(_CHAR_MAP)
         if "&" in line:
             line = _ENTITY.sub(lambda m: html.unescape(m.group()), line)
         out.append((no, line))
@@ -169,11 +173,15 @@ def undo_markdown_blocks(lines: list[_Line]) -> list[_Line]:
     """Drop code fences and HTML wrappers; strip block quotes and bullets."""
     out = []
     for no, line in lines:
-        line = _QUOTE.sub("", line, count=1)
-        if _FENCE.match(line):
+        first = line.lstrip()[:1]
+        if first == ">":
+            line = _QUOTE.sub("", line, count=1)
+            first = line.lstrip()[:1]
+        if first in ("`", "~") and _FENCE.match(line):
             continue
         line = _HTML_TAG.sub("", line) if "<" in line else line
-        line = _BULLET.sub("", line, count=1)
+        if first in _BULLET_FIRST:
+            line = _BULLET.sub("", line, count=1)
         out.append((no, line))
     return out
 
@@ -220,6 +228,10 @@ def strip_rank_prefixes(lines: list[_Line]) -> list[_Line]:
     return out
 
 
+_NOT_HOST = re.compile(r"\w*(?:Error|Exception|Warning)|File|Note|(?:INFO|WARN(?:ING)?|ERROR|DEBUG|CRITICAL|NOTE)",
+                       re.I)
+
+
 def strip_host_prefixes(lines: list[_Line]) -> list[_Line]:
     """Strip a ``host: `` prefix that starts at least three lines and a third of them (pdsh,
     the DeepSpeed launcher); a word before a colon on a line or two is prose, not a host."""
@@ -230,7 +242,7 @@ def strip_host_prefixes(lines: list[_Line]) -> list[_Line]:
             counts[hit.group("host")] = counts.get(hit.group("host"), 0) + 1
     nonblank = sum(1 for _, line in lines if line.strip()) or 1
     hosts = {h for h, n in counts.items()
-             if n >= 3 and n * 3 >= nonblank and not re.fullmatch(r"[A-Z]\w*(?:Error|Exception|Warning)|File|\w+Error", h)}
+             if n >= 3 and n * 3 >= nonblank and not _NOT_HOST.fullmatch(h)}
     if not hosts:
         return lines
     return [(no, line[len(hit.group()):] if (hit := _HOST.match(line)) and hit.group("host") in hosts else line)
@@ -239,7 +251,8 @@ def strip_host_prefixes(lines: list[_Line]) -> list[_Line]:
 
 def strip_timestamps(lines: list[_Line]) -> list[_Line]:
     """Strip a leading timestamp (ISO, ``HH:MM:SS``, syslog ``May  1 10:00:00``)."""
-    return [(no, _TIMESTAMP.sub("", line, count=1)) for no, line in lines]
+    return [(no, _TIMESTAMP.sub("", line, count=1) if line.lstrip()[:1] in _STAMP_FIRST else line)
+            for no, line in lines]
 
 
 # -- 4. error lines in prose, inline Markdown --------------------------------------------------
@@ -278,7 +291,7 @@ def undo_inline_markdown(lines: list[_Line]) -> list[_Line]:
     for no, line in lines:
         if "`" in line:
             line = _BACKTICKED.sub(r"\1", line)
-        if "**" in line or "__" in line:
+        if "**" in line:
             line = _EMPHASIS.sub(r"\2", line)
         out.append((no, line))
     return out
@@ -362,10 +375,10 @@ def repair_identifiers(lines: list[_Line], vocabulary: Iterable[str] = ()) -> li
     for i, (no, line) in enumerate(lines):
         if i in todo:
             line = repairer.repair(line)
-        if " " in line and ("/" in line or "\\" in line or ".py" in line):
+        if "/ " in line or "\\ " in line or " .py" in line:
             line = _PATH_SPLIT.sub("", line)
-            if ".py" in line:
-                line = _SPACED_FILE.sub(lambda m: re.sub(r" +", "_", m.group()), line)
+        if ".py" in line and ('File "' in line or ".py:" in line):  # a frame's or a warning's file name
+            line = _SPACED_FILE.sub(lambda m: re.sub(r" +", "_", m.group()), line)
         out.append((no, line))
     return out
 
