@@ -78,17 +78,19 @@ _PHASES = (
     ("build", re.compile(r"ninja|JIT|op_builder|building extension|CUDA_HOME|nvcc", re.I)),
     ("forward", re.compile(r"::(?:forward|_forward|_call_impl|zero3_linear_wrap)$", re.I | re.M)),
 )
-#: An error message with a size-0 tensor or dimension (a ZeRO-3 placeholder's shape).
+#: An error message with a size-0 tensor (a ZeRO-3 placeholder's 1-D shape [0], or a view of it
+#: such as [-1, 0]); a first dimension of 0 ([0, 4096]) is an empty batch, not this.
 _SHAPE_ZERO = re.compile(
-    r"Size\(\[0\]\)|\[0\]|\[-?\d+, 0\]|\[0, |, 0\]|\((?:tensor [ab]|vec|existing size)\) ?\(0\)|\b(?:tensor [ab]|vec|existing size) \(0\)"
-    r"|\bsize 0\b|\b0x\d+\b|of 0 elements|numel(?:\(\))? (?:is |== )?0\b|input of size [01]\b", re.I)
+    r"Size\(\[0\]\)|\[0\]|\[-1, 0\]|\b(?:tensor [ab]|vec|existing size) \(0\)|of 0 elements"
+    r"|numel(?:\(\))? (?:is |== )?0\b|input of size 0\b", re.I)
 #: A printout line naming a parameter and a size of 0 (``layers.3.fc1.weight, 0``,
 #: ``... torch.Size([0])``, ``numel: 0``): many of them are ZeRO-3's partitioned placeholders.
 _PARAM_ZERO = re.compile(r"^\W*[\w.]+\.(?:weight|bias)\b\W{1,4}(?:(?:numel|shape|size)\W{0,3})?"
                          r"(?:0|torch\.Size\(\[0\]\)|\[0\]|\(0,?\))\s*$", re.M)
 #: This many such lines make a listing, not an accident.
 PARAM_ZERO_LINES = 5
-_TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms|(\d+) milliseconds before timing out", re.I)
+_TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms|(\d+) milliseconds before timing out",
+                      re.I)
 _RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it|samples/s(?:ec)?|tokens?/s(?:ec)?|tok/s|TFLOPS)\b"
                    r"|(?P<key>samples_per_second|tokens_per_sec(?:ond)?|throughput)\W{1,3}(?P<value2>\d+(?:\.\d+)?)", re.I)
 #: A line of the loss-scale history (where a loss-scale trend is quoted from).
