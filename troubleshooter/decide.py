@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from troubleshooter.evidence import Evidence, Fact
 from troubleshooter.knowledge.matching import Match, line_at, match_entries, rank_key
-from troubleshooter.normalize import Normalized
+from troubleshooter.normalize import WINDOW_CHARS, Normalized
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from lightning_zeromoe.knowledge import Entry
@@ -45,9 +45,9 @@ class Claimed:
     broad: bool = False
 
 
-#: The normalised text is matched in its last this-many characters: a paste is short, and the
-#: input as it is was matched whole already.
-NORMALISED_CHARS = 256 * 1024
+#: The normalised text is matched in its last this-many characters (the part normalize() changes):
+#: a paste is short, and the input as it is was matched whole already.
+NORMALISED_CHARS = WINDOW_CHARS
 
 
 @lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
 
-__all__ = ["ERROR_LINE", "Normalized", "identifier_vocabulary", "normalize"]
+__all__ = ["ERROR_LINE", "WINDOW_CHARS", "Normalized", "identifier_vocabulary", "normalize"]
 
 #: One line of work: the input's line number (1-based) it came from, and its text now.
 _Line = tuple[int, str]
@@ -82,6 +82,9 @@ _PATH_SPLIT = re.compile(r"(?<=[\w.-][/\\]) +(?=[\w.-]+(?: [\w.-]+){0,3}(?:[/\\]
 _STRUCTURAL = re.compile(
     r"^\s*(?:Traceback \(|File \"|During handling|The above exception|\[|\d{4}-\d{2}-\d{2}|"
     r"[A-Z]\w*(?:Error|Exception|Warning)\b|(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL)\b|[$#>]|\w+ = |\w+: )")
+#: A paste is short and a log's error is at its end: only the lines of this many characters at the
+#: end of a text are normalised (explain matches the text as it is in full besides).
+WINDOW_CHARS = 256 * 1024
 #: Identifiers are repaired in this many characters at the end of the text (see _Repairer).
 REPAIR_CHARS = 64 * 1024
 _WRAP_MIN = 50  # a line shorter than this that does not end a sentence is not a wrapped one
@@ -434,10 +437,16 @@ _STEPS = (
 )
 
 
-def normalize(text: str, vocabulary: Iterable[str] = ()) -> Normalized:
+def normalize(text: str, vocabulary: Iterable[str] = (), window: int | None = WINDOW_CHARS) -> Normalized:
     """The normalised form of ``text`` (see the module docstring); ``vocabulary`` holds the
-    identifiers with underscores to repair (``explain`` passes the knowledge base's)."""
+    identifiers with underscores to repair (``explain`` passes the knowledge base's). Only the
+    lines of the last ``window`` characters are normalised (None: all); the lines before them are
+    kept as they are, so offsets and line numbers still cover the whole text."""
     lines: list[_Line] = list(enumerate(text.split("\n"), 1))
+    kept: list[_Line] = []
+    if window is not None and len(text) > window:
+        cut = text.count("\n", 0, len(text) - window) + 1  # whole lines before the window
+        kept, lines = lines[:cut], lines[cut:]
     vocab = tuple(vocabulary)
     steps = []
     for name, step in _STEPS:
@@ -445,4 +454,5 @@ def normalize(text: str, vocabulary: Iterable[str] = ()) -> Normalized:
         if after != lines:
             steps.append(name)
         lines = after
+    lines = kept + lines
     return Normalized("\n".join(line for _, line in lines), text, tuple(no for no, _ in lines), tuple(steps))
