@@ -46,7 +46,7 @@ def test_every_entry_states_its_evidence_in_terms_the_loader_checked():
     with_claims = [e for e in load_entries() if e.evidence.claims]
     assert len(with_claims) >= 10
     broad = {e.id for e in load_entries() for c in e.evidence.claims if c.broad}
-    assert broad == {"ds-to-universal-mismatch", "zero-to-fp32-mismatch"}
+    assert broad == {"ds-to-universal-mismatch", "zero-to-fp32-mismatch", "zero3-param-not-available"}
 
 
 @pytest.mark.parametrize("table, problem", [
@@ -92,6 +92,9 @@ def test_a_shape_message_cut_mid_sentence_with_no_library_frame_is_a_zero3_place
     assert ev.has("number", "shape-zero") and ev.has("stack", "zero-3")
     assert _ids(cut)[0] == "zero3-param-not-available"
     assert _ids(cut.replace("ZeRO-3", "DDP")) == []  # the same shape without ZeRO-3: no claim
+    # DeepSpeed at an unsaid stage: a broad claim (ZeRO-3 makes the placeholders); ZeRO-2 said: none
+    assert _ids(cut.replace("ZeRO-3", "DeepSpeed"))[0] == "zero3-param-not-available"
+    assert _ids(cut.replace("ZeRO-3", "DeepSpeed ZeRO-2")) == []
 
 
 #: https://github.com/huggingface/transformers/issues/14531 (one line of the pasted log)
