@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 
 from lightning_zeromoe.knowledge import KnowledgeError, load_entries, load_entry
-from troubleshooter import evidence, explain
+from troubleshooter import evidence, explain, knowledge
 from troubleshooter.normalize import normalize
 
 TRACEBACKS = Path(__file__).parent / "fixtures" / "tracebacks"
 sys.path.insert(0, str(Path(__file__).parent))
+from support import deepspeed_job  # noqa: E402  (one deepspeed job per session, shared with test_explain)
 from test_explain_wordings import DS_TO_UNIVERSAL  # noqa: E402  (a ds_to_universal report's form)
 
 
@@ -95,6 +96,48 @@ def test_a_shape_message_cut_mid_sentence_with_no_library_frame_is_a_zero3_place
     # DeepSpeed at an unsaid stage: a broad claim (ZeRO-3 makes the placeholders); ZeRO-2 said: none
     assert _ids(cut.replace("ZeRO-3", "DeepSpeed"))[0] == "zero3-param-not-available"
     assert _ids(cut.replace("ZeRO-3", "DeepSpeed ZeRO-2")) == []
+
+
+def test_a_type_error_from_an_auto_value_is_claimed_when_the_report_shows_auto():
+    """The real TypeError of deepspeed 0.19.8's engine.step with gradient_clipping "auto"
+    (tests/jobs/deepspeed_errors.py); alone it does not say "auto", so it is only recognised; with
+    the config line that caused it (as reports paste it) it is hf-auto-value."""
+    trace = deepspeed_job.records()["auto_clipping"]["traceback"]
+    assert "TypeError: '>' not supported between instances of 'str' and 'float'" in trace
+    assert _ids(trace) == []
+    seen = explain.recognised(explain.from_text(trace))
+    assert seen.summary.startswith("a DeepSpeed run failed in optimizer-step with TypeError")
+    d = explain.explain_text('my ds_config.json has "gradient_clipping": "auto",\n' + trace)[0]
+    assert d.entry_id == "hf-auto-value" and d.evidence[0].startswith("claim: a TypeError")
+
+
+@pytest.mark.parametrize("name, line, cut_at, entry", [
+    ("issue_cuda_oom_new_format.txt", "torch.cuda.OutOfMemoryError: CUDA out of", "CUDA out of", "cuda-oom"),
+    ("real_batch_arithmetic.txt", "AssertionError: Check batch related", "train_batch_size is not", "batch-arithmetic"),
+    ("real_config_passed_twice.txt", "AssertionError: Not sure how to proceed", "in the deepspeed ar",
+     "config-passed-twice"),
+])
+def test_a_real_error_line_cut_mid_sentence_is_still_named(name, line, cut_at, entry):
+    """The fixture's error line cut where a paste cuts it (every copy of the message is cut, so
+    no pattern of the entry matches any more): the exception and the start of its message name it."""
+    kept = []
+    for text in _fixture(name).splitlines():
+        kept.append(text[:text.index(cut_at) + len(cut_at)] if cut_at in text else text)
+    cut = "\n".join(kept)
+    assert any(t.startswith(line) for t in kept)
+    assert entry not in [m.entry.id for m in knowledge.match(cut)]  # no pattern: the claim names it
+    assert _ids(cut)[0] == entry
+
+
+def test_a_process_the_shell_reports_killed_with_no_python_error_is_a_cpu_oom():
+    """bash's own report of a child killed by SIGKILL (what the OOM killer sends), really produced."""
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -c '{code}'; exit 3"], capture_output=True,
+                          text=True, timeout=60)
+    assert "Killed" in proc.stderr
+    assert _ids("Loading checkpoint shards: 100%\n" + proc.stderr)[0] == "cpu-oom"
+    trace = _fixture("real_zero3_shape0_linear.txt")  # another error printed: not this claim's case
+    assert "cpu-oom" not in _ids(trace + "\n" + proc.stderr)
 
 
 #: https://github.com/huggingface/transformers/issues/14531 (one line of the pasted log)
