@@ -152,13 +152,23 @@ def test_a_loss_scale_that_collapsed_without_an_overflow_line_is_read_from_the_c
 
 
 #: https://github.com/ymcui/Chinese-LLaMA-Alpaca/issues/534 (the overflow lines of the pasted log, verbatim)
-LATE_HALVINGS = """\
- 14%|█▍        | 378/2724 [13:58:09<86:18:35, 132.44s/it][2023-06-07 22:16:00,018] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32
- 14%|█▍        | 379/2724 [14:00:21<86:09:52, 132.28s/it][2023-06-07 22:18:11,762] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 32, reducing to 16
- 14%|█▍        | 380/2724 [14:02:33<86:01:24, 132.12s/it][2023-06-07 22:20:23,340] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 16, reducing to 8
- 14%|█▍        | 381/2724 [14:04:45<85:52:52, 131.96s/it][2023-06-07 22:22:34,914] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 8, reducing to 4
- 14%|█▍        | 382/2724 [14:06:56<85:46:12, 131.84s/it][2023-06-07 22:24:46,260] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 4, reducing to 2
-"""
+LATE_HALVINGS = (  # each line cut in pieces here only to keep this file's lines short
+    ' 14%|█▍        | 378/2724 [13:58:09<86:18:35, 132.44s/it][2023-06-07 22:16:00,01'
+    '8] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 64, reducing to 32\n'
+    ' 14%|█▍        | 379/2724 [14:00:21<86:09:52, 132.28s/it][2023-06-07 22:18:11,76'
+    '2] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 32, reducing to 16\n'
+    ' 14%|█▍        | 380/2724 [14:02:33<86:01:24, 132.12s/it][2023-06-07 22:20:23,34'
+    '0] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 16, reducing to 8\n'
+    ' 14%|█▍        | 381/2724 [14:04:45<85:52:52, 131.96s/it][2023-06-07 22:22:34,91'
+    '4] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 8, reducing to 4\n'
+    ' 14%|█▍        | 382/2724 [14:06:56<85:46:12, 131.84s/it][2023-06-07 22:24:46,26'
+    '0] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 4, reducing to 2\n'
+)
 
 
 def test_halvings_late_in_a_run_down_near_the_minimum_are_a_collapse_not_the_start_up_search():
@@ -223,11 +233,12 @@ def test_a_broad_claim_is_named_only_when_nothing_specific_fits_and_its_fixes_ap
 
 
 #: https://github.com/bshall/hubert/issues/1 (the end of the pasted traceback, verbatim)
-WINDOWS = r'''
-  File "H:\CONDA\envs\stylegan3\lib\site-packages\torch\distributed\distributed_c10d.py", line 727, in _new_process_group_helper
+WINDOWS = (r'''
+  File "H:\CONDA\envs\stylegan3\lib\site-packages\torch\distributed\distributed_c10d.py", line 727, in '''
+           r'''_new_process_group_helper
     raise RuntimeError("Distributed package doesn't have NCCL " "built in")
 RuntimeError: Distributed package doesn't have NCCL built in
-'''
+''')
 
 
 def test_an_entry_whose_fix_cannot_apply_is_excluded_and_the_facts_are_said_instead():

@@ -89,10 +89,11 @@ _PARAM_ZERO = re.compile(r"^\W*[\w.]+\.(?:weight|bias)\b\W{1,4}(?:(?:numel|shape
                          r"(?:0|torch\.Size\(\[0\]\)|\[0\]|\(0,?\))\s*$", re.M)
 #: This many such lines make a listing, not an accident.
 PARAM_ZERO_LINES = 5
-_TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms|(\d+) milliseconds before timing out",
-                      re.I)
+_TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms"
+                      r"|(\d+) milliseconds before timing out", re.I)
 _RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it|samples/s(?:ec)?|tokens?/s(?:ec)?|tok/s|TFLOPS)\b"
-                   r"|(?P<key>samples_per_second|tokens_per_sec(?:ond)?|throughput)\W{1,3}(?P<value2>\d+(?:\.\d+)?)", re.I)
+                   r"|(?P<key>samples_per_second|tokens_per_sec(?:ond)?|throughput)\W{1,3}"
+                   r"(?P<value2>\d+(?:\.\d+)?)", re.I)
 #: A line of the loss-scale history (where a loss-scale trend is quoted from).
 _SCALE_LINE = re.compile(r"OVERFLOW|overflow|\bskipped[=:]|loss scale|Minimum loss scale", re.I)
 _RANK_PREFIX = re.compile(r"^\s*(?:\[rank(\d+)\]:|(\d{1,3}): )")

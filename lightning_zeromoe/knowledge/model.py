@@ -12,8 +12,8 @@ import re
 import string
 from dataclasses import dataclass, field
 
-__all__ = ["CONTEXT_CHARS", "EVIDENCE_KINDS", "FAMILIES", "PATCH_KINDS", "SEVERITIES", "Claim", "Entry", "EvidenceRules",
-           "Fix", "KnowledgeError", "Message"]
+__all__ = ["CONTEXT_CHARS", "EVIDENCE_KINDS", "FAMILIES", "PATCH_KINDS", "SEVERITIES", "Claim", "Entry",
+           "EvidenceRules", "Fix", "KnowledgeError", "Message"]
 
 FAMILIES = frozenset({
     "oom", "router-collapse", "timeout", "install", "native-moe-zero3", "zero3-pitfalls", "autoep",
