@@ -23,7 +23,8 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
 5. identifiers: a known identifier with spaces for underscores (``ds numel``,
-   ``partition parameters.py``) gets its underscores back; a path split at a space is rejoined;
+   ``partition parameters.py``) gets its underscores back; a path split at a space is rejoined
+   (:mod:`troubleshooter.identifiers`);
 6. wrapped messages: the continuation lines of an error line are appended to it;
 7. a line printed twice in a row (two ranks printing the same line) is kept once.
 
@@ -39,6 +40,8 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
+
+from troubleshooter.identifiers import identifier_vocabulary, line_starts, repair_identifiers
 
 __all__ = ["ERROR_LINE", "WINDOW_CHARS", "Normalized", "identifier_vocabulary", "normalize"]
 
@@ -75,9 +78,6 @@ _IN_PROSE = re.compile(r"(?<![\w.])(?P<type>" + _EXC_NAME + r")(?P<rest>(?::|(?=
 _BACKTICKED = re.compile(r"`{1,3}([^`\n]+)`{1,3}")
 #: ``**bold**`` (``__bold__`` is left alone: it is also Python's ``__init__``).
 _EMPHASIS = re.compile(r"(\*\*)(?=\S)([^\n]+?)(?<=\S)\1")
-#: The file name of a path with spaces where underscores were (``zero/partition parameters.py``).
-_SPACED_FILE = re.compile(r"(?<=[/\\])[\w-]+(?: +[\w-]+)+(?=\.py\b)")
-_PATH_SPLIT = re.compile(r"(?<=[\w.-][/\\]) +(?=[\w.-]+(?: [\w.-]+){0,3}(?:[/\\]|\.py\b))|(?<=\w) +(?=\.py\b)")
 #: A line that starts something new: not the continuation of a wrapped message.
 _STRUCTURAL = re.compile(
     r"^\s*(?:Traceback \(|File \"|During handling|The above exception|\[|\d{4}-\d{2}-\d{2}|"
@@ -85,8 +85,6 @@ _STRUCTURAL = re.compile(
 #: A paste is short and a log's error is at its end: only the lines of this many characters at the
 #: end of a text are normalised (explain matches the text as it is in full besides).
 WINDOW_CHARS = 256 * 1024
-#: Identifiers are repaired in this many characters at the end of the text (see _Repairer).
-REPAIR_CHARS = 64 * 1024
 _WRAP_MIN = 50  # a line shorter than this that does not end a sentence is not a wrapped one
 _WRAP_LINES = 3  # at most this many continuation lines are appended
 
@@ -117,11 +115,11 @@ class Normalized:
 
     @cached_property
     def _starts(self) -> list[int]:
-        return _line_starts(self.text)
+        return line_starts(self.text)
 
     @cached_property
     def _input_starts(self) -> list[int]:
-        return _line_starts(self.original)
+        return line_starts(self.original)
 
     def line_of_offset(self, offset: int) -> int:
         """The input's line number of a character offset into the normalised text."""
@@ -142,16 +140,6 @@ class Normalized:
         i = min(max(line_no, 1), len(starts)) - 1
         end = self.original.find("\n", starts[i])
         return self.original[starts[i]:end if end != -1 else len(self.original)].strip()
-
-
-def _line_starts(text: str) -> list[int]:
-    starts = [0]
-    find = text.find
-    i = find("\n")
-    while i != -1:
-        starts.append(i + 1)
-        i = find("\n", i + 1)
-    return starts
 
 
 # -- 1. characters -----------------------------------------------------------------------------
@@ -296,92 +284,6 @@ def undo_inline_markdown(lines: list[_Line]) -> list[_Line]:
             line = _BACKTICKED.sub(r"\1", line)
         if "**" in line:
             line = _EMPHASIS.sub(r"\2", line)
-        out.append((no, line))
-    return out
-
-
-# -- 5. identifiers ----------------------------------------------------------------------------
-
-
-_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+(?:\.py)?")
-_REGEX_ESCAPE = re.compile(r"\\[A-Za-z]")
-#: First words too common in prose to start an identifier repair (``not found`` is no ``not_found``).
-_COMMON = frozenset({"all", "not", "one", "set", "get", "file", "log", "bad", "ran", "base", "index", "load",
-                     "save", "model", "module", "default", "failed", "active", "extra", "inline", "plan", "min",
-                     "num", "the", "and", "for", "use", "has", "can", "per", "new", "old", "max"})
-
-
-def identifier_vocabulary(sources: Iterable[str]) -> frozenset[str]:
-    """The identifiers with underscores that ``sources`` (patterns, symptoms) contain; a regex
-    escape (``partition_parameters\\.py``) is read as the character it escapes."""
-    words: set[str] = set()
-    for source in sources:
-        plain = _REGEX_ESCAPE.sub(" ", source.replace("\\.", "."))
-        words.update(w for w in _IDENT.findall(plain)
-                     if len(w) >= 6 and (len(w.split("_")[0]) >= 3 or w.startswith("ds_"))
-                     and w.split("_")[0].lower() not in _COMMON)
-    return frozenset(words)
-
-
-class _Repairer:
-    """Puts underscores back into known identifiers: ``ds numel`` -> ``ds_numel``."""
-
-    def __init__(self, vocabulary: Iterable[str]) -> None:
-        by_first: dict[str, list[tuple[re.Pattern[str], str]]] = {}
-        for word in sorted(vocabulary, key=len, reverse=True):
-            parts = word.split("_")
-            if len(parts) < 2 or not all(parts):
-                continue
-            spaced = r"[ _]{1,2}".join(re.escape(p) for p in parts)
-            by_first.setdefault(parts[0].lower(), []).append(
-                (re.compile(spaced + r"(?![\w])", re.I), word))
-        self.by_first = by_first
-        self.token = re.compile(r"(?<![\w])[A-Za-z][A-Za-z0-9]*")
-        firsts = "|".join(re.escape(f) for f in sorted(by_first, key=len, reverse=True))
-        #: a first part followed by a space: the only places a repair can happen
-        self.candidate = re.compile(r"(?<![\w])(?:" + firsts + r") ", re.I) if by_first else None
-
-    def lines_to_repair(self, text: str) -> set[int]:
-        """The 0-based numbers of the lines of ``text`` where a repair may happen, in its last
-        REPAIR_CHARS (a paste is short; a log of megabytes was written by programs, not mangled)."""
-        if self.candidate is None:
-            return set()
-        starts = _line_starts(text)
-        return {bisect.bisect_right(starts, m.start()) - 1
-                for m in self.candidate.finditer(text, max(0, len(text) - REPAIR_CHARS))}
-
-    def repair(self, line: str) -> str:
-        if not self.by_first or (" " not in line):
-            return line
-        pieces: list[str] = []
-        at = 0
-        for tok in self.token.finditer(line):
-            if tok.start() < at:
-                continue
-            candidates = self.by_first.get(tok.group().lower())
-            if candidates is None:
-                continue
-            for pattern, word in candidates:
-                hit = pattern.match(line, tok.start())
-                if hit and " " in hit.group():
-                    pieces += [line[at:tok.start()], word]
-                    at = hit.end()
-                    break
-        return "".join(pieces) + line[at:] if pieces else line
-
-
-def repair_identifiers(lines: list[_Line], vocabulary: Iterable[str] = ()) -> list[_Line]:
-    """Known identifiers get their underscores back; a path split at a space is rejoined."""
-    repairer = _Repairer(vocabulary)
-    todo = repairer.lines_to_repair("\n".join(line for _, line in lines))
-    out = []
-    for i, (no, line) in enumerate(lines):
-        if i in todo:
-            line = repairer.repair(line)
-        if "/ " in line or "\\ " in line or " .py" in line:
-            line = _PATH_SPLIT.sub("", line)
-        if ".py" in line and ('File "' in line or ".py:" in line):  # a frame's or a warning's file name
-            line = _SPACED_FILE.sub(lambda m: re.sub(r" +", "_", m.group()), line)
         out.append((no, line))
     return out
 
