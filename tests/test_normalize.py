@@ -164,6 +164,15 @@ def test_code_fences_block_quotes_and_prefixes_are_removed_and_lines_map_back():
     assert _top("\n".join(pasted)) == _top("\n".join(clean)) == "cuda-home-missing"
 
 
+def test_a_host_prefix_before_rank_prefixes_goes_first_so_the_ranks_are_still_put_back():
+    """Two ranks of real_zero3_shape0_linear.txt on one node of a pdsh/DeepSpeed multi-node launch."""
+    ours = _rank0_traceback()
+    theirs = [line.replace("[rank0]:", "[rank1]:", 1) for line in ours]
+    pasted = [f"node-2: {line}" for pair in zip(ours, theirs) for line in pair]
+    plain = [line[len("[rank0]: "):] for line in ours]
+    assert _norm("\n".join(pasted)).text.splitlines() == plain + plain
+
+
 def test_a_word_before_a_colon_on_a_line_or_two_is_not_a_host():
     text = "Error: it failed\nNote: see below\nTraceback (most recent call last):"
     assert _norm(text).text == text

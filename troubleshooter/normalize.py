@@ -17,8 +17,9 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    and zero-width spaces, HTML entities (``&gt;``, ``&#39;``);
 2. Markdown blocks: code fences dropped, block quotes (``> ``) and bullets (``- ``, ``* ``, ``1.``)
    stripped;
-3. prefixes: ``[rankN]:``, ``[defaultN]:``, ``N:`` and a host name shared by many lines, with
-   two ranks' lines de-interleaved (each rank's lines together, in their order); then timestamps;
+3. prefixes: a host name shared by many lines (``node-3: ``), then ``[rankN]:``, ``[defaultN]:``,
+   ``N:``, with two ranks' lines de-interleaved (each rank's lines together, in their order); then
+   timestamps;
 4. error lines inside prose: ``... `RuntimeError: x` ...`` gets a line of its own starting with
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
@@ -332,8 +333,8 @@ def drop_repeats(lines: list[_Line]) -> list[_Line]:
 
 
 _STEPS = (
-    ("characters", fix_characters), ("markdown", undo_markdown_blocks), ("ranks", strip_rank_prefixes),
-    ("hosts", strip_host_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
+    ("characters", fix_characters), ("markdown", undo_markdown_blocks), ("hosts", strip_host_prefixes),
+    ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
     ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
     ("repeats", drop_repeats),
 )
