@@ -328,6 +328,18 @@ def _stack_words(ev: Evidence) -> str:
     return " + ".join(words)
 
 
+#: What an error message is about, in a few words, for the summary (the first that fits).
+_MESSAGE_KINDS = tuple((re.compile(p, re.I), words) for p, words in (
+    (r"out of memory|OutOfMemory|can't allocate memory|bad_alloc", "out of memory"),
+    (r"size mismatch|shape|must match the size|size of tensor|dimension|broadcast|numel", "a size mismatch"),
+    (r"timed? ?out|timeout", "a timeout"),
+    (r"No module named|cannot import name|ImportError|undefined symbol", "an import failure"),
+    (r"Address already in use|Connection (?:refused|reset|closed)|Broken pipe", "a connection failure"),
+    (r"expected all tensors to be on the same device|device", "a device mismatch"),
+    (r"No such file or directory|FileNotFoundError|Permission denied", "a missing or unreadable file"),
+))
+
+
 def summary(ev: Evidence) -> str:
     """One sentence of what was recognised, for a report no known problem fits: "a DeepSpeed
     ZeRO-3 run failed in backward with RuntimeError (a size-0 tensor)"."""
@@ -339,9 +351,11 @@ def summary(ev: Evidence) -> str:
     if errors:
         last = errors[-1]
         kind = last.value.split(":", 1)[0].rsplit(".", 1)[-1]
-        shape = " (a size-0 tensor in the message)" if ev.has("number", "shape-zero") else ""
+        what = next((words for pattern, words in _MESSAGE_KINDS if pattern.search(last.value)), "")
+        shape = ", with a size-0 tensor" if ev.has("number", "shape-zero") else ""
+        about = f" ({what}{shape})" if what else (f" ({shape[2:]})" if shape else "")
         where = f" in {phase.value}" if phase else ""
-        return f"{run} failed{where} with {kind}{shape} (line {last.line_no})"
+        return f"{run} failed{where} with {kind}{about} (line {last.line_no})"
     if trends:
         return f"{run} shows {trends[-1].value.split(':', 1)[0]}, without an error line"
     return f"{run}; no error line was found"
