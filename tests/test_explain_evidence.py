@@ -283,3 +283,16 @@ def test_why_prints_the_evidence_each_diagnosis_was_named_on():
     plain = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(path)],
                            capture_output=True, text=True, timeout=60).stdout
     assert "evidence:" not in plain
+
+
+def test_the_facts_of_real_runs():
+    """A healthy torchrun run at DEBUG (tests/fixtures/benign/) and a real failing one: the library
+    lines, the stack and the frames are read; a healthy log has no error and no trend."""
+    healthy = _facts((Path(__file__).parent / "fixtures/benign/real_torchrun_debug.log").read_text())
+    assert healthy.find("library", re.compile(r"^torch I .*Running collective")) is not None
+    assert {"deepspeed", "lightning"} <= {f.value for f in healthy.of("stack")}
+    assert not healthy.of("error") and not healthy.of("trend")
+    failing = _facts(_fixture("real_zero3_shape0_linear.txt"))
+    assert failing.find("frame", re.compile(r"deepspeed/runtime/zero/linear\.py::forward$")) is not None
+    assert failing.find("library", re.compile(r"^deepspeed WARNING .*Setting accelerator to CPU")) is not None
+    assert failing.has("phase", "forward") and failing.has("stack", "zero-3") and failing.has("number", "shape-zero")
