@@ -129,6 +129,24 @@ def test_a_real_error_line_cut_mid_sentence_is_still_named(name, line, cut_at, e
     assert _ids(cut)[0] == entry
 
 
+@pytest.mark.parametrize("name, cut_at, entry", [
+    ("issue_moe_param_groups.txt", "None of the param gr", "moe-param-groups"),
+    ("issue_zero_dp_world_size_resume.txt", "The checkpoint being loaded used a DP w", "resume-shape-unsupported"),
+])
+def test_an_error_line_cut_inside_an_entrys_symptom_names_that_entry(name, cut_at, entry):
+    """A real fixture's error line cut mid-word (every copy of it): no pattern matches, and the
+    line is the start of one symptom the entry lists. A complete message that the entry only
+    names with more context is no cut one (the size-mismatch symptom of a ZeRO-3 placeholder)."""
+    lines = [t[:t.index(cut_at) + len(cut_at)] if cut_at in t else t for t in _fixture(name).splitlines()]
+    cut = "\n".join(lines)
+    assert entry not in [m.entry.id for m in knowledge.match(cut)]
+    d = explain.explain_text(cut)[0]
+    assert d.entry_id == entry and d.evidence[0].startswith("claim: the error line is the start of a symptom")
+    whole = ("RuntimeError: The size of tensor a (4096) must match the size of tensor b (0) at non-singleton "
+             "dimension 1")  # zero3-param-not-available's symptom, less its note on where it happens
+    assert _ids(whole) == []
+
+
 def test_a_process_the_shell_reports_killed_with_no_python_error_is_a_cpu_oom():
     """bash's own report of a child killed by SIGKILL (what the OOM killer sends), really produced."""
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"

@@ -10,6 +10,8 @@ another's. So an entry is named on evidence, and the evidence is stated in its T
 * ``[evidence] excludes``: terms that rule the entry out, whatever matched;
 * ``[[evidence.claims]]``: sets of terms that name the entry without any of its patterns (the
   shape of a message with a ZeRO-3 config beside it; a loss scale halving to its minimum);
+* its ``symptoms``: an error line cut mid-message that is the start of one of them (and of no
+  other entry's) names it;
 * ``broad`` (on the table or on a claim): the entry is named on that evidence only when no more
   specific error entry is named; ``explain`` then also drops it when none of its fixes applies.
 
@@ -48,6 +50,8 @@ class Claimed:
 #: The normalised text is matched in its last this-many characters (the part normalize() changes):
 #: a paste is short, and the input as it is was matched whole already.
 NORMALISED_CHARS = WINDOW_CHARS
+#: A cut error line names the entry whose symptom it starts only with this much message.
+CUT_MIN = 25
 
 
 @lru_cache(maxsize=None)
@@ -107,6 +111,38 @@ def _claim(entry: "Entry", ev: Evidence, norm: Normalized) -> Claimed | None:
     return None
 
 
+def _squeezed(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _cut_inside(rest: str) -> bool:
+    """Whether the rest of a symptom after a line is more of the message, not the symptom's own
+    note on it (`` (in backward, under ZeRO-3)``, ``: almost every step``): a complete message that
+    the entry names only with more context is not a cut one."""
+    return bool(rest) and not rest.startswith((" (", ": ", " -", " —", "; ", " ...", "..."))
+
+
+def _cut_symptoms(entries: tuple["Entry", ...], ev: Evidence, norm: Normalized) -> dict[str, Claimed]:
+    """Entries named by an error line cut mid-message: the line (at least CUT_MIN characters of
+    message) is the start of one of the entry's symptoms, and of no other entry's, cut inside the
+    message (see _cut_inside)."""
+    found: dict[str, Claimed] = {}
+    for error in ev.of("error"):
+        message = error.value.split(": ", 1)[1] if ": " in error.value else ""
+        if len(message) < CUT_MIN:
+            continue
+        line = _squeezed(error.value)
+        hits = {e.id: (e, symptom) for e in entries for symptom in e.symptoms
+                if _squeezed(symptom).startswith(line) and _cut_inside(_squeezed(symptom)[len(line):])}
+        if len(hits) != 1:
+            continue
+        (entry, symptom), = hits.values()
+        why = "the error line is the start of a symptom the entry lists, cut in the paste"
+        found[entry.id] = Claimed(_at_fact(entry, why, [error], norm),
+                                  (f"claim: {why}", f"symptom: {symptom[:160]}", f"<- {error.describe()}"))
+    return found
+
+
 def decide(text: str, norm: Normalized, ev: Evidence, entries: Iterable["Entry"]) -> list[Claimed]:
     """The entries the report's evidence names, best first (``matching.rank_key``)."""
     entries = tuple(entries)
@@ -117,6 +153,7 @@ def decide(text: str, norm: Normalized, ev: Evidence, entries: Iterable["Entry"]
         for m in match_entries(norm.text[base:], entries):
             if m.entry.id not in found:
                 found[m.entry.id] = (_in_input(m, norm, base), True)
+    cut = _cut_symptoms(entries, ev, norm)
     claimed: list[Claimed] = []
     for entry in entries:
         rules = entry.evidence
@@ -131,7 +168,7 @@ def decide(text: str, norm: Normalized, ev: Evidence, entries: Iterable["Entry"]
                                      f"{'s' if m.count != 1 else ''})",
                                      *(f"requires {t} <- {f.describe()}" for t, f in needed if f)), rules.broad)
         if result is None:
-            result = _claim(entry, ev, norm)
+            result = _claim(entry, ev, norm) or cut.get(entry.id)
         if result is None:
             continue
         if any(holds(t, ev, norm) is not None for t in rules.excludes):
