@@ -87,7 +87,9 @@ def test_a_shape_message_cut_mid_sentence_with_no_library_frame_is_a_zero3_place
     error = _fixture("real_zero3_shape0_linear.txt").splitlines()[-1].removeprefix("[rank0]: ")
     assert error == "RuntimeError: size mismatch, got input (2), mat (2x8), vec (0)"
     cut = "Training with ZeRO-3 fails:\n" + error.replace("vec (0)", "v")
-    assert _ids(cut) == []  # cut before the size: nothing to go on
+    d = explain.explain_text(cut)[0]  # cut before the size: it is the start of a symptom listed
+    assert d.entry_id == "zero3-param-not-available" and d.evidence[1].startswith("symptom: ")
+    assert _ids(cut.replace("ZeRO-3", "DDP")) == []  # but that entry needs its ZeRO-3 context
     cut = "Training with ZeRO-3 fails:\n" + error.replace(", mat (2x8), vec (0)", ", vec (0), m")
     ev = _facts(cut)
     assert ev.has("number", "shape-zero") and ev.has("stack", "zero-3")

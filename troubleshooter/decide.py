@@ -122,10 +122,16 @@ def _cut_inside(rest: str) -> bool:
     return bool(rest) and not rest.startswith((" (", ": ", " -", " —", "; ", " ...", "..."))
 
 
+def _in_context(entry: "Entry", norm: Normalized) -> bool:
+    """An entry whose messages are ambiguous alone (it has ``context`` patterns) is named by a cut
+    line only when the report shows one of them (a ZeRO-3 config, a ZeRO-3 frame)."""
+    return not entry.compiled_context or any(p.search(norm.text) for p in entry.compiled_context)
+
+
 def _cut_symptoms(entries: tuple["Entry", ...], ev: Evidence, norm: Normalized) -> dict[str, Claimed]:
     """Entries named by an error line cut mid-message: the line (at least CUT_MIN characters of
     message) is the start of one of the entry's symptoms, and of no other entry's, cut inside the
-    message (see _cut_inside)."""
+    message (see _cut_inside), with the entry's context when it has one (see _in_context)."""
     found: dict[str, Claimed] = {}
     for error in ev.of("error"):
         message = error.value.split(": ", 1)[1] if ": " in error.value else ""
@@ -133,7 +139,8 @@ def _cut_symptoms(entries: tuple["Entry", ...], ev: Evidence, norm: Normalized) 
             continue
         line = _squeezed(error.value)
         hits = {e.id: (e, symptom) for e in entries for symptom in e.symptoms
-                if _squeezed(symptom).startswith(line) and _cut_inside(_squeezed(symptom)[len(line):])}
+                if _squeezed(symptom).startswith(line) and _cut_inside(_squeezed(symptom)[len(line):])
+                and _in_context(e, norm)}
         if len(hits) != 1:
             continue
         (entry, symptom), = hits.values()
