@@ -35,8 +35,13 @@ def process_file(directory: Path, rank: int) -> Path:
 
 
 def is_dump_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory holding at least one rank's trace or process file."""
-    return path.is_dir() and any(TRACE.match(p.name) or PROCESS.match(p.name) for p in path.iterdir())
+    """Whether ``path`` is a directory holding at least one rank's trace or process file. ``explain``
+    also takes the error message itself as its argument: a long message is no path at all
+    (``OSError: File name too long``), and then this is False."""
+    try:
+        return path.is_dir() and any(TRACE.match(p.name) or PROCESS.match(p.name) for p in path.iterdir())
+    except (OSError, ValueError):
+        return False
 
 
 def read_processes(directory: Path) -> dict[int, dict[str, Any]]:

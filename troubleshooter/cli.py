@@ -117,6 +117,9 @@ def _add_explain(sub: argparse._SubParsersAction) -> None:
                    help="diagnose a real log bundled with the troubleshooter instead of SOURCE, to see what "
                         f"explain prints ({', '.join(examples.names())})")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--why", action="store_true",
+                   help="print the evidence each diagnosis was named on (patterns, facts, claims), and "
+                        "the normalising steps applied to the input")
     p.set_defaults(handler=_run_explain)
 
 
@@ -156,29 +159,42 @@ def _run_explain(args: argparse.Namespace) -> int:
     if not diagnoses and data.problem():  # empty or binary: say so, as for an unreadable file
         return _input_error(data.problem(), args.json)
     name = data.name
+    seen = explain.recognised(data) if not diagnoses or args.why else None
     if args.json:
-        render.print_json({"source": name, "kind": data.kind, "bytes": data.total_bytes,
-                           "truncated": data.truncated, "binary": data.binary,
-                           "diagnoses": [d.to_dict() for d in diagnoses]})
+        report = {"source": name, "kind": data.kind, "bytes": data.total_bytes,
+                  "truncated": data.truncated, "binary": data.binary,
+                  "diagnoses": [d.to_dict() for d in diagnoses]}
+        if seen is not None:
+            report["recognised"] = seen.to_dict()
+        render.print_json(report)
     else:
-        _print_diagnoses(render.console(), name, data, diagnoses)
+        _print_diagnoses(render.console(), name, data, diagnoses, seen, args.why)
     return EXIT_OK if diagnoses else EXIT_FOUND
 
 
-def _print_diagnoses(con: Console, name: str, data: explain.Input,
-                     diagnoses: list[explain.Diagnosis]) -> None:
+def _print_diagnoses(con: Console, name: str, data: explain.Input, diagnoses: list[explain.Diagnosis],
+                     seen: explain.Recognised | None, why: bool) -> None:
     if data.note():
         con.print(data.note(), markup=False)
+    if why and seen is not None and seen.normalised:
+        con.print(f"(normalised before matching: {', '.join(seen.normalised)})", markup=False)
     if not diagnoses:
         con.print(f"No known problem found in {name} ({data.describe()} read). The knowledge base does not "
-                  f"recognise this error. Check the environment with `{_doctor_hint()}`.")
+                  f"recognise this error.", markup=False)
+        if seen is not None:
+            con.print(f"Recognised: {seen.summary}; no known problem matches.", markup=False)
+            if seen.facts:
+                con.print("These facts may help:", markup=False)
+                for fact in seen.facts:
+                    con.print(f"  - {fact.describe()}", markup=False)
+        con.print(f"Check the environment with `{_doctor_hint()}`.", markup=False)
         return
     for i, d in enumerate(diagnoses, 1):
-        _print_diagnosis(con, i, d)
+        _print_diagnosis(con, i, d, why)
     con.print(f"If this does not solve it, check the environment with `{_doctor_hint()}`.")
 
 
-def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis) -> None:
+def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis, why: bool = False) -> None:
     con.print(render.label(d.severity, con), f"{index}. {d.title} [{d.entry_id}]", style="bold",
               markup=False)
     con.print(f"  line {d.line_no}" + (f" (and {d.count - 1} more)" if d.count > 1 else "")
@@ -186,6 +202,10 @@ def _print_diagnosis(con: Console, index: int, d: explain.Diagnosis) -> None:
     if d.details:
         con.print("  found: " + ", ".join(f"{k}={v}" for k, v in d.details.items()), markup=False)
     con.print("  why: " + " ".join(d.cause.split()), markup=False)
+    if why:
+        con.print("  evidence:", markup=False)
+        for line in d.evidence:
+            con.print(f"    - {line}", markup=False)
     if d.finding:
         con.print("  this log: " + d.finding, markup=False)
     for step, text in enumerate(d.fix, 1):

@@ -10,7 +10,8 @@ printout is not a problem, so the mere keyword never is.
 Thresholds (the field notes' "one expert takes more than half of the tokens"): with 4 or more
 experts, one expert's share above 50 %, or at least half of the experts below a tenth of an even
 share (dead experts); with 2 or 3 experts, one share above 90 %. For a top-k index table, the
-share of rows (tokens) that route to one expert: above 90 % for k >= 2, above 50 % for k = 1.
+share of rows (tokens) that route to one expert: above 90 % for k >= 2, above 50 % for k = 1 (a
+flat list of at least 8 ids is read as one top-1 id per token).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def _load_verdict(loads: list[float], first_id: int = 0) -> str | None:
 
 
 def _index_verdict(rows: list[list[float]]) -> str | None:
+    if len(rows) == 1 and len(rows[0]) >= 8:  # a flat list: one top-1 expert id per token
+        rows = [[v] for v in rows[0]]
     rows = [r for r in rows if r and all(v >= 0 and float(v).is_integer() for v in r)]
     if len(rows) < 8:
         return None

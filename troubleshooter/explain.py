@@ -19,6 +19,13 @@ followed (the variable it sets is set to that value: :mod:`troubleshooter.log_fa
 the entry says it cannot help with what the log shows (a fix's ``skip_when``); the diagnosis
 then says so.
 
+Before any of that, the report is normalised (:mod:`troubleshooter.normalize`: prefixes,
+Markdown, mangled identifiers, interleaved ranks, wrapped lines, errors quoted in prose), read into
+typed facts (:mod:`troubleshooter.evidence`), and the entries are named on that evidence
+(:mod:`troubleshooter.decide`): each diagnosis carries the evidence it was named on
+(``Diagnosis.evidence``, printed by ``explain --why``). When nothing fits, :func:`recognised`
+says what the report showed instead.
+
 Exit codes of ``explain`` (see ``troubleshooter.cli``): 0 when at least one diagnosis was printed,
 1 when nothing in the input matched a known problem, 2 when the input could not be read (missing,
 empty or binary).
@@ -28,8 +35,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
-from troubleshooter import expert_load, knowledge, log_facts, loss_scale
+from troubleshooter import evidence, expert_load, knowledge, log_facts, loss_scale
+from troubleshooter.decide import Claimed, decide
 from troubleshooter.knowledge.matching import is_own, line_at
 from troubleshooter.log_input import (
     MAX_BYTES,
@@ -40,10 +49,11 @@ from troubleshooter.log_input import (
     read_input,
     read_source,
 )
+from troubleshooter.normalize import Normalized, identifier_vocabulary, normalize
 from troubleshooter.oom_numbers import format_bytes, parse_oom
 
-__all__ = ["MAX_BYTES", "Diagnosis", "ExplainInputError", "Input", "clean", "explain_input",
-           "explain_text", "read_input", "read_source"]
+__all__ = ["MAX_BYTES", "Diagnosis", "ExplainInputError", "Input", "Recognised", "clean", "explain_input",
+           "explain_text", "read_input", "read_source", "recognised"]
 
 #: The entry family whose errors are usually the echo of another rank's failure.
 ECHO_FAMILY = "timeout"
@@ -81,6 +91,8 @@ class Diagnosis:
     fix_ids: tuple[str, ...] = ()
     finding: str = ""
     offset: int = field(default=0, compare=False)
+    #: the evidence it was named on (patterns, facts, claims), for ``explain --why``
+    evidence: tuple[str, ...] = field(default=(), compare=False)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (for ``--json`` and the Jupyter extension)."""
@@ -91,6 +103,7 @@ class Diagnosis:
             "finding": self.finding, "fix": list(self.fix), "fix_ids": list(self.fix_ids),
             "patch": self.patch, "patch_kind": self.patch_kind,
             "sources": list(self.sources), "checked_against": self.checked_against,
+            "evidence": list(self.evidence),
         }
 
 
@@ -117,14 +130,15 @@ def _fillable(entry: knowledge.Entry, details: dict[str, str]) -> tuple[knowledg
                  if {p for p in f.placeholders() if p.isidentifier()} <= details.keys())
 
 
-def _diagnosis(m: knowledge.Match, data: Input) -> Diagnosis:
+def _diagnosis(c: Claimed, data: Input) -> Diagnosis:
+    m = c.match
     e = m.entry
     return Diagnosis(
         entry_id=e.id, title=e.title, severity=e.severity, family=e.family, cause=e.cause,
         fix=tuple(_filled(f.text, m.details) for f in _fillable(e, m.details)),
         fix_ids=tuple(f.id for f in _fillable(e, m.details)), patch=e.patch, patch_kind=e.patch_kind,
         sources=e.sources, checked_against=e.checked_against, line_no=data.input_line(m.line_no),
-        snippet=m.snippet, count=m.count, details=m.details, offset=m.offset,
+        snippet=m.snippet, count=m.count, details=m.details, offset=m.offset, evidence=c.evidence,
     )
 
 
@@ -168,11 +182,11 @@ def _judge_router(d: Diagnosis, data: Input) -> Diagnosis | None:
 JUDGES = {"fp16-moe": _judge_fp16, "router-collapse": _judge_router}
 
 
-def _judged(m: knowledge.Match, data: Input) -> Diagnosis | None:
+def _judged(c: Claimed, data: Input) -> Diagnosis | None:
     """The diagnosis, after its judge (if any) read the log; our own messages need no judge."""
-    d = _diagnosis(m, data)
+    d = _diagnosis(c, data)
     judge = JUDGES.get(d.entry_id)
-    return judge(d, data) if judge is not None and not is_own(m) else d
+    return judge(d, data) if judge is not None and not is_own(c.match) else d
 
 
 def _line_of(data: Input, offset: int) -> int:
@@ -264,12 +278,49 @@ def _link_echoes(found: list[Diagnosis], data: Input) -> list[Diagnosis]:
             + [d for d in out if d.entry_id != root.entry_id])
 
 
+@lru_cache(maxsize=1)
+def _vocabulary() -> frozenset[str]:
+    """Identifiers with underscores the knowledge base's patterns and symptoms name."""
+    return identifier_vocabulary(s for e in knowledge.load_entries()
+                                 for s in (*e.patterns, *e.contextual, *e.context, *e.symptoms))
+
+
+def _read(data: Input) -> tuple[Normalized, evidence.Evidence]:
+    norm = normalize(data.text, _vocabulary())
+    return norm, evidence.collect(norm)
+
+
 def explain_input(data: Input) -> list[Diagnosis]:
     """Diagnoses for what was read, best first; an empty list when nothing is known."""
-    found = [_judged(m, data) for m in knowledge.match(data.text)]
+    norm, ev = _read(data)
+    claims = decide(data.text, norm, ev, knowledge.load_entries())
+    broad = {c.match.entry.id for c in claims if c.broad}
+    found = [_judged(c, data) for c in claims]
     found = [_refine_oom(d, data.text) if d.entry_id == OOM_ENTRY else d for d in found if d is not None]
     found = [_followed_fixes(d, data) for d in found]
+    # a broad claim stands only where one of its fixes applies to this report
+    found = [d for d in found if d.entry_id not in broad or d.fix_ids]
     return _link_echoes(found, data)
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """What a report showed when no known problem fits it: one sentence and the facts."""
+
+    summary: str
+    facts: tuple[evidence.Fact, ...]
+    normalised: tuple[str, ...]  # the normalising steps that changed the text
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (for ``--json``)."""
+        return {"summary": self.summary, "facts": [f.describe() for f in self.facts],
+                "normalised": list(self.normalised)}
+
+
+def recognised(data: Input) -> Recognised:
+    """What the report shows, for the message when :func:`explain_input` found nothing."""
+    norm, ev = _read(data)
+    return Recognised(evidence.summary(ev), evidence.helpful(ev), norm.steps)
 
 
 def explain_text(text: str) -> list[Diagnosis]:

@@ -49,6 +49,13 @@ MIN_STEPS = 20
 RECENT_STEPS = 10
 #: After the start-up search, this many overflows in a row with a falling scale do not stop.
 FALLING_RUN = 6
+#: A log that starts mid-run (a pasted excerpt): a first overflow at a scale this many halvings
+#: below the initial one, past MIN_STEPS steps, is not the start-up search.
+LATE_HALVINGS = 8
+#: A late run of at least this many halvings that ends within this factor of the minimum is a
+#: collapse under way (two more halvings and every step overflows).
+NEAR_RUN = 3
+NEAR_MINIMUM = 4.0
 
 
 @dataclass(frozen=True)
@@ -116,13 +123,18 @@ def history(text: str) -> LossScaleHistory:
     counters = tuple((int(m.group(1)), int(m.group(2))) for m in _COUNTER.finditer(text))
     other_steps = [int(a or b) for a, b in _STEPS.findall(text)]
     first = scales[0][0] if scales and scales[0][0] is not None else None
-    initial = first if first is not None else configured_init[0] if configured_init else DEFAULT_INITIAL
+    steps = max(other_steps) if other_steps else None
     search, falling = _runs(scales)
+    init = configured_init[0] if configured_init else DEFAULT_INITIAL
+    if first is not None and steps is not None and steps >= MIN_STEPS and first * 2 ** LATE_HALVINGS <= init:
+        # an excerpt from late in a run: its first run of halvings is no start-up search
+        search, falling = 0, max(falling, search or 0)
+    initial = first if first is not None else init
     return LossScaleHistory(
         overflows=overflows, lowest=min(known) if known else None, initial=max(initial, 1.0),
         minimum=configured_min[-1] if configured_min else DEFAULT_MINIMUM,
         at_minimum=bool(_AT_MINIMUM.search(text)), counters=counters,
-        steps=max(other_steps) if other_steps else None, search=search, falling=falling)
+        steps=steps, search=search, falling=falling)
 
 
 def _fmt(value: float) -> str:
@@ -142,6 +154,9 @@ def collapse(h: LossScaleHistory) -> str | None:
                 f"after {h.overflows} overflow{'s' if h.overflows != 1 else ''}: the gradients overflow "
                 "whatever the scale.")
     search = h.search if h.search is not None else int(math.log2(h.initial)) + 2
+    if h.search == 0 and h.falling >= NEAR_RUN and h.lowest is not None and h.lowest <= NEAR_MINIMUM * h.minimum:
+        return (f"late in the run the scale halved {h.falling} times in a row, down to {_fmt(h.lowest)}, "
+                f"within {_fmt(NEAR_MINIMUM)}x of its minimum ({_fmt(h.minimum)}): the overflows do not stop.")
     if h.counters:
         step, skipped = h.counters[-1]
         if step - search >= MIN_STEPS and 2 * (skipped - search) >= step - search:

@@ -43,6 +43,18 @@ Entry schema (every key is required unless marked optional)::
     id = "mismatch"                   # finds this problem (lint, doctor), as a template filled
     text = "{tbs} != {micro} * ..."   # with what was found: cite with knowledge.message(entry, id).
 
+    [evidence]                        # optional: what explain needs besides a pattern hit, as
+    requires = ['kind:regex', ...]    # terms on the facts troubleshooter/evidence.py reads from a
+    excludes = ['kind:regex', ...]    # report (kinds: EVIDENCE_KINDS; "text:" searches the report).
+    broad = false                     # requires: all must hold; excludes: any rules the entry out;
+                                      # broad: its patterns name it only when nothing more specific
+                                      # does and one of its fixes applies.
+    [[evidence.claims]]               # optional: evidence that names the entry without a pattern
+    why = "the evidence, in words"    # (printed by explain --why): every ``when`` term holds and
+    when = ['kind:regex', ...]        # no ``unless`` term does; ``broad`` as above.
+    unless = ['kind:regex', ...]
+    broad = false
+
 Citation API (the only way code outside this package may hold advice): ``fix(entry_id, fix_id)``
 and ``message(entry_id, message_id)`` return a :class:`Fix` / :class:`Message` whose ``render(**values)``
 fills the placeholders; both know their ``entry``. ``say(entry_id, message_id, *fix_ids, **values)``

@@ -22,7 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from lightning_zeromoe.knowledge.model import (
-    CONTEXT_CHARS, FAMILIES, PATCH_KINDS, SEVERITIES, Entry, Fix, KnowledgeError, Message,
+    CONTEXT_CHARS, EVIDENCE_KINDS, FAMILIES, PATCH_KINDS, SEVERITIES, Claim, Entry, EvidenceRules, Fix, KnowledgeError,
+    Message,
 )
 
 __all__ = ["ENTRIES_DIR", "anchor_of", "fix", "get", "load_entries", "load_entry", "message"]
@@ -35,7 +36,7 @@ _REGEX_FLAGS = re.IGNORECASE | re.MULTILINE
 _ID_RE = re.compile(r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$")
 _STR_FIELDS = ("id", "title", "family", "severity", "checked_against", "cause")
 _LIST_FIELDS = ("symptoms", "patterns", "sources")
-_OPTIONAL = ("patch", "patch_kind", "contextual", "context", "context_chars")
+_OPTIONAL = ("patch", "patch_kind", "contextual", "context", "context_chars", "evidence")
 _FIX_KEYS = frozenset({"id", "text", "skip_when", "skip_why"})
 
 
@@ -124,6 +125,45 @@ def _check_context(path: Path, data: dict) -> None:
         raise _fail(path, "context_chars", "must be a positive integer")
 
 
+def _terms(path: Path, key: str, value: object) -> tuple[str, ...]:
+    """A list of evidence terms ``kind:regex``: a known kind, a regex that compiles."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise _fail(path, key, "not a list of 'kind:regex' strings")
+    for term in value:
+        kind, sep, pattern = term.partition(":")
+        if not sep or kind not in EVIDENCE_KINDS:
+            raise _fail(path, key, f"{term!r}: a term is 'kind:regex' with kind one of {sorted(EVIDENCE_KINDS)}")
+        try:
+            re.compile(pattern, _REGEX_FLAGS)
+        except re.error as err:
+            raise _fail(path, key, f"{term!r} does not compile: {err}") from None
+    return tuple(value)
+
+
+def _parse_evidence(path: Path, data: dict) -> EvidenceRules:
+    """The optional ``[evidence]`` table (see EvidenceRules)."""
+    raw = data.get("evidence")
+    if raw is None:
+        return EvidenceRules()
+    if not isinstance(raw, dict) or set(raw) - {"requires", "excludes", "broad", "claims"}:
+        raise _fail(path, "evidence", "a table with only requires, excludes, broad and [[evidence.claims]]")
+    if not isinstance(raw.get("broad", False), bool):
+        raise _fail(path, "evidence.broad", "must be true or false")
+    claims = []
+    for i, item in enumerate(raw.get("claims", [])):
+        if not isinstance(item, dict) or not {"why", "when"} <= set(item) <= {"why", "when", "unless", "broad"}:
+            raise _fail(path, "evidence.claims", f"claim {i + 1} needs 'why' and 'when' (and optionally "
+                                                 "'unless', 'broad')")
+        if not isinstance(item["why"], str) or not item["why"].strip() or not item["when"]:
+            raise _fail(path, "evidence.claims", f"claim {i + 1}: 'why' and 'when' must not be empty")
+        claims.append(Claim(" ".join(item["why"].split()), _terms(path, "evidence.claims.when", item["when"]),
+                            _terms(path, "evidence.claims.unless", item.get("unless", [])),
+                            bool(item.get("broad", False))))
+    return EvidenceRules(_terms(path, "evidence.requires", raw.get("requires", [])),
+                         _terms(path, "evidence.excludes", raw.get("excludes", [])),
+                         raw.get("broad", False), tuple(claims))
+
+
 def _check_patch(path: Path, data: dict) -> None:
     patch, kind = data.get("patch"), data.get("patch_kind")
     if patch is None and kind is None:
@@ -192,6 +232,7 @@ def load_entry(path: Path) -> Entry:
         contextual_anchors=tuple(anchor_of(p) for p in data.get("contextual", ())),
         compiled_context=_compile(path, data.get("context", []), "context"),
         context_anchors=tuple(anchor_of(p) for p in data.get("context", ())),
+        evidence=_parse_evidence(path, data),
     )
 
 

@@ -12,7 +12,8 @@ import re
 import string
 from dataclasses import dataclass, field
 
-__all__ = ["CONTEXT_CHARS", "FAMILIES", "PATCH_KINDS", "SEVERITIES", "Entry", "Fix", "KnowledgeError", "Message"]
+__all__ = ["CONTEXT_CHARS", "EVIDENCE_KINDS", "FAMILIES", "PATCH_KINDS", "SEVERITIES", "Claim", "Entry",
+           "EvidenceRules", "Fix", "KnowledgeError", "Message"]
 
 FAMILIES = frozenset({
     "oom", "router-collapse", "timeout", "install", "native-moe-zero3", "zero3-pitfalls", "autoep",
@@ -20,6 +21,10 @@ FAMILIES = frozenset({
 })
 SEVERITIES = ("error", "warning", "info")
 PATCH_KINDS = frozenset({"json", "diff"})
+#: The kinds of fact an evidence term (``kind:regex``) can name; the troubleshooter's evidence
+#: module (troubleshooter/evidence.py) produces them from a report.
+EVIDENCE_KINDS = frozenset({"error", "type", "frame", "library", "config", "stack", "phase", "number", "trend",
+                            "text"})
 #: How near a context pattern must match to a contextual pattern's hit, unless the entry says.
 CONTEXT_CHARS = 50_000
 
@@ -55,6 +60,31 @@ class Message(Fix):
 
 
 @dataclass(frozen=True)
+class Claim:
+    """One set of evidence that names an entry without its patterns: every ``when`` term holds
+    and no ``unless`` term does. ``why`` says it in words; a ``broad`` claim names the entry only
+    when no more specific entry is named and at least one of its fixes applies."""
+
+    why: str
+    when: tuple[str, ...]
+    unless: tuple[str, ...] = ()
+    broad: bool = False
+
+
+@dataclass(frozen=True)
+class EvidenceRules:
+    """An entry's ``[evidence]`` table: what a report must show besides a pattern hit
+    (``requires``, every term), what rules the entry out whatever matched (``excludes``, any
+    term), whether its patterns are broad ones (``broad``: named only when nothing more specific
+    is), and its :class:`Claim` s (``[[evidence.claims]]``). Terms are ``kind:regex``."""
+
+    requires: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    broad: bool = False
+    claims: tuple[Claim, ...] = ()
+
+
+@dataclass(frozen=True)
 class Entry:
     """One known problem. Immutable: entries are shared by every caller through the cache."""
 
@@ -82,6 +112,7 @@ class Entry:
     contextual_anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
     compiled_context: tuple[re.Pattern[str], ...] = field(default=(), repr=False, compare=False)
     context_anchors: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    evidence: EvidenceRules = EvidenceRules()
 
     @property
     def fix(self) -> tuple[str, ...]:

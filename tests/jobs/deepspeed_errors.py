@@ -9,6 +9,8 @@ DeepSpeed really raises, and the OOM patch must lower real defaults. Cases:
 * ``zero_to_fp32_leftover``: zero_to_fp32 on a tag directory with another rank's leftover file;
 * ``nccl_missing``: init_process_group("nccl") on a torch without NCCL (CPU builds only);
 * ``divisibility``: deepspeed.utils.groups._ensure_divisibility(10, 3);
+* ``auto_clipping``: a step of an engine whose config says gradient_clipping "auto" (the Hugging
+  Face convention, which DeepSpeed keeps as a string);
 * ``offload_estimates``: DeepSpeed's host-RAM estimator for offloaded ZeRO-3 states;
 * ``zero_defaults``: DeepSpeedZeroConfig defaults of the keys the cuda-oom patch sets.
 """
@@ -90,6 +92,16 @@ def main() -> None:
     optim = glob.glob(os.path.join(tmp, "t", "*_optim_states.pt"))[0]
     shutil.copy(optim, optim.replace("zero_pp_rank_0_", "zero_pp_rank_1_"))
     caught("zero_to_fp32_leftover", lambda: get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t"))
+
+    def auto_clipping() -> None:
+        clipped = net()
+        engine, *_ = deepspeed.initialize(model=clipped, model_parameters=clipped.parameters(),
+                                          config={"train_batch_size": 1, "gradient_clipping": "auto",
+                                                  "optimizer": ADAM})
+        engine.backward(engine(torch.ones(1, 8)).sum())
+        engine.step()
+
+    caught("auto_clipping", auto_clipping)
 
     from deepspeed.utils.groups import _ensure_divisibility
 

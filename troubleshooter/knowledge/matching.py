@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterable
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from lightning_zeromoe.knowledge import Entry
 
-__all__ = ["SNIPPET_CHARS", "TAIL_CHARS", "Match", "is_own", "line_at", "match_entries"]
+__all__ = ["SNIPPET_CHARS", "TAIL_CHARS", "Match", "is_own", "line_at", "match_entries", "rank_key"]
 
 #: A snippet longer than this is cut: log lines can be megabytes long (progress bars, tensors).
 SNIPPET_CHARS = 300
@@ -114,7 +114,7 @@ def _match_entry(entry: "Entry", text: str, lowered: str) -> Match | None:
     return Match(entry, last_pattern, line_no, snippet, last.start(), count, details)
 
 
-def _rank(m: Match) -> tuple:
+def rank_key(m: Match) -> tuple:
     """Sort key, best first.
 
     Errors before warnings before infos. A collective timeout ranks after any other error:
@@ -127,7 +127,7 @@ def _rank(m: Match) -> tuple:
 
 
 def match_entries(text: str, entries: Iterable["Entry"]) -> list[Match]:
-    """The entries whose patterns occur in ``text``, best first (see ``_rank``)."""
+    """The entries whose patterns occur in ``text``, best first (see ``rank_key``)."""
     lowered = text.lower()
     found = [m for entry in entries if (m := _match_entry(entry, text, lowered)) is not None]
-    return sorted(found, key=_rank)
+    return sorted(found, key=rank_key)

@@ -1,0 +1,318 @@
+"""explain decides on evidence (troubleshooter/evidence.py, troubleshooter/decide.py, the entries'
+[evidence] tables): claims without a pattern, broad claims, trends, exclusions, --why and the
+"nothing fits" summary.
+
+Inputs are real texts: excerpts of public reports quoted with their URLs (the development half of
+the issue-36 corpus), or real fixtures of tests/fixtures/tracebacks/ changed in the one way a test
+names (a message cut, an error line replaced), said where it is done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_zeromoe.knowledge import KnowledgeError, load_entries, load_entry
+from troubleshooter import evidence, explain, knowledge
+from troubleshooter.normalize import normalize
+
+TRACEBACKS = Path(__file__).parent / "fixtures" / "tracebacks"
+sys.path.insert(0, str(Path(__file__).parent))
+from support import deepspeed_job  # noqa: E402  (one deepspeed job per session, shared with test_explain)
+from test_explain_wordings import DS_TO_UNIVERSAL  # noqa: E402  (a ds_to_universal report's form)
+
+
+def _fixture(name: str) -> str:
+    lines = (TRACEBACKS / name).read_text().splitlines()
+    return "\n".join(line for line in lines if not line.startswith("# "))
+
+
+def _ids(text: str) -> list[str]:
+    return [d.entry_id for d in explain.explain_text(text)]
+
+
+def _facts(text: str) -> evidence.Evidence:
+    return evidence.collect(normalize(text))
+
+
+# -- the schema -------------------------------------------------------------------------------
+
+
+def test_every_entry_states_its_evidence_in_terms_the_loader_checked():
+    with_claims = [e for e in load_entries() if e.evidence.claims]
+    assert len(with_claims) >= 10
+    broad = {e.id for e in load_entries() for c in e.evidence.claims if c.broad}
+    assert broad == {"ds-to-universal-mismatch", "zero-to-fp32-mismatch", "zero3-param-not-available"}
+
+
+@pytest.mark.parametrize("table, problem", [
+    ("[evidence]\nrequires = ['colour:red']\n", "evidence.requires"),
+    ("[evidence]\nexcludes = ['error:(']\n", "does not compile"),
+    ("[[evidence.claims]]\nwhen = ['error:x']\n", "needs 'why' and 'when'"),
+    ("[evidence]\nbroad = 'yes'\n", "evidence.broad"),
+])
+def test_a_bad_evidence_table_is_refused_naming_the_file_and_the_field(tmp_path, table, problem):
+    entry = next(e for e in load_entries() if e.id == "nccl-unavailable")
+    text = (Path(__file__).parents[1] / "lightning_zeromoe/knowledge/entries/nccl-unavailable.toml").read_text()
+    text = text.split("\n[evidence]")[0].split("\n# torch's Windows")[0]
+    path = tmp_path / f"{entry.id}.toml"
+    path.write_text(text + "\n" + table)
+    with pytest.raises(KnowledgeError, match=problem) as err:
+        load_entry(path)
+    assert "nccl-unavailable.toml" in str(err.value)
+
+
+# -- claims: evidence that names an entry without its patterns --------------------------------
+
+#: https://github.com/bitsandbytes-foundation/bitsandbytes/issues/596 (the last line, cut as pasted)
+CUT_OFFLOAD = ("deepspeed.runtime.zero.utils.ZeRORuntimeException: You are using ZeRO-Offload with a client "
+               "provided optimizer (<class 'apex.optimizers.fused_adam.FusedAdam")
+
+
+def test_a_message_cut_before_the_pattern_ends_is_claimed_on_its_error_line():
+    found = explain.explain_text(CUT_OFFLOAD)
+    assert found[0].entry_id == "offload-needs-ds-cpu-optimizer"
+    assert found[0].evidence[0].startswith("claim: ")
+    assert any("error:ZeRO-Offload" in line for line in found[0].evidence)
+
+
+def test_a_shape_message_cut_mid_sentence_with_no_library_frame_is_a_zero3_placeholder():
+    """real_zero3_shape0_linear.txt's error line alone, cut mid-word, after a line of prose that
+    says ZeRO-3: no frame, no pattern; the size-0 tensor and the stage are the evidence."""
+    error = _fixture("real_zero3_shape0_linear.txt").splitlines()[-1].removeprefix("[rank0]: ")
+    assert error == "RuntimeError: size mismatch, got input (2), mat (2x8), vec (0)"
+    cut = "Training with ZeRO-3 fails:\n" + error.replace("vec (0)", "v")
+    d = explain.explain_text(cut)[0]  # cut before the size: it is the start of a symptom listed
+    assert d.entry_id == "zero3-param-not-available" and d.evidence[1].startswith("symptom: ")
+    assert _ids(cut.replace("ZeRO-3", "DDP")) == []  # but that entry needs its ZeRO-3 context
+    cut = "Training with ZeRO-3 fails:\n" + error.replace(", mat (2x8), vec (0)", ", vec (0), m")
+    ev = _facts(cut)
+    assert ev.has("number", "shape-zero") and ev.has("stack", "zero-3")
+    assert _ids(cut)[0] == "zero3-param-not-available"
+    assert _ids(cut.replace("ZeRO-3", "DDP")) == []  # the same shape without ZeRO-3: no claim
+    # DeepSpeed at an unsaid stage: a broad claim (ZeRO-3 makes the placeholders); ZeRO-2 said: none
+    assert _ids(cut.replace("ZeRO-3", "DeepSpeed"))[0] == "zero3-param-not-available"
+    assert _ids(cut.replace("ZeRO-3", "DeepSpeed ZeRO-2")) == []
+
+
+def test_a_type_error_from_an_auto_value_is_claimed_when_the_report_shows_auto():
+    """The real TypeError of deepspeed 0.19.8's engine.step with gradient_clipping "auto"
+    (tests/jobs/deepspeed_errors.py); alone it does not say "auto", so it is only recognised; with
+    the config line that caused it (as reports paste it) it is hf-auto-value."""
+    trace = deepspeed_job.records()["auto_clipping"]["traceback"]
+    assert "TypeError: '>' not supported between instances of 'str' and 'float'" in trace
+    assert _ids(trace) == []
+    seen = explain.recognised(explain.from_text(trace))
+    assert seen.summary.startswith("a DeepSpeed run failed in optimizer-step with TypeError")
+    d = explain.explain_text('my ds_config.json has "gradient_clipping": "auto",\n' + trace)[0]
+    assert d.entry_id == "hf-auto-value" and d.evidence[0].startswith("claim: a TypeError")
+
+
+@pytest.mark.parametrize("name, line, cut_at, entry", [
+    ("issue_cuda_oom_new_format.txt", "torch.cuda.OutOfMemoryError: CUDA out of", "CUDA out of", "cuda-oom"),
+    ("real_batch_arithmetic.txt", "AssertionError: Check batch related", "train_batch_size is not", "batch-arithmetic"),
+    ("real_config_passed_twice.txt", "AssertionError: Not sure how to proceed", "in the deepspeed ar",
+     "config-passed-twice"),
+])
+def test_a_real_error_line_cut_mid_sentence_is_still_named(name, line, cut_at, entry):
+    """The fixture's error line cut where a paste cuts it (every copy of the message is cut, so
+    no pattern of the entry matches any more): the exception and the start of its message name it."""
+    kept = []
+    for text in _fixture(name).splitlines():
+        kept.append(text[:text.index(cut_at) + len(cut_at)] if cut_at in text else text)
+    cut = "\n".join(kept)
+    assert any(t.startswith(line) for t in kept)
+    assert entry not in [m.entry.id for m in knowledge.match(cut)]  # no pattern: the claim names it
+    assert _ids(cut)[0] == entry
+
+
+@pytest.mark.parametrize("name, cut_at, entry", [
+    ("issue_moe_param_groups.txt", "None of the param gr", "moe-param-groups"),
+    ("issue_zero_dp_world_size_resume.txt", "The checkpoint being loaded used a DP w", "resume-shape-unsupported"),
+])
+def test_an_error_line_cut_inside_an_entrys_symptom_names_that_entry(name, cut_at, entry):
+    """A real fixture's error line cut mid-word (every copy of it): no pattern matches, and the
+    line is the start of one symptom the entry lists. A complete message that the entry only
+    names with more context is no cut one (the size-mismatch symptom of a ZeRO-3 placeholder)."""
+    lines = [t[:t.index(cut_at) + len(cut_at)] if cut_at in t else t for t in _fixture(name).splitlines()]
+    cut = "\n".join(lines)
+    assert entry not in [m.entry.id for m in knowledge.match(cut)]
+    d = explain.explain_text(cut)[0]
+    assert d.entry_id == entry and d.evidence[0].startswith("claim: the error line is the start of a symptom")
+    whole = ("RuntimeError: The size of tensor a (4096) must match the size of tensor b (0) at non-singleton "
+             "dimension 1")  # zero3-param-not-available's symptom, less its note on where it happens
+    assert _ids(whole) == []
+
+
+def test_a_process_the_shell_reports_killed_with_no_python_error_is_a_cpu_oom():
+    """bash's own report of a child killed by SIGKILL (what the OOM killer sends), really produced."""
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -c '{code}'; exit 3"], capture_output=True,
+                          text=True, timeout=60)
+    assert "Killed" in proc.stderr
+    assert _ids("Loading checkpoint shards: 100%\n" + proc.stderr)[0] == "cpu-oom"
+    trace = _fixture("real_zero3_shape0_linear.txt")  # another error printed: not this claim's case
+    assert "cpu-oom" not in _ids(trace + "\n" + proc.stderr)
+
+
+#: https://github.com/huggingface/transformers/issues/14531 (one line of the pasted log)
+SKIPPED = ("[2021-11-26 03:07:16,494] [INFO] [logging.py:69:log_dist] [Rank 0] step=2000, skipped=1995, "
+           "lr=[0.001, 0.001], mom=[0.0, 0.0]")
+
+
+def test_a_loss_scale_that_collapsed_without_an_overflow_line_is_read_from_the_counter():
+    d = explain.explain_text(SKIPPED)[0]
+    assert d.entry_id == "fp16-moe" and "1995 of 2000 steps were skipped" in d.finding
+    assert any(line.startswith("trend:^loss-scale-collapse <- ") for line in d.evidence)
+
+
+#: https://github.com/ymcui/Chinese-LLaMA-Alpaca/issues/534 (the overflow lines of the pasted log, verbatim)
+LATE_HALVINGS = (  # each line cut in pieces here only to keep this file's lines short
+    ' 14%|█▍        | 378/2724 [13:58:09<86:18:35, 132.44s/it][2023-06-07 22:16:00,01'
+    '8] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 64, reducing to 32\n'
+    ' 14%|█▍        | 379/2724 [14:00:21<86:09:52, 132.28s/it][2023-06-07 22:18:11,76'
+    '2] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 32, reducing to 16\n'
+    ' 14%|█▍        | 380/2724 [14:02:33<86:01:24, 132.12s/it][2023-06-07 22:20:23,34'
+    '0] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 16, reducing to 8\n'
+    ' 14%|█▍        | 381/2724 [14:04:45<85:52:52, 131.96s/it][2023-06-07 22:22:34,91'
+    '4] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 8, reducing to 4\n'
+    ' 14%|█▍        | 382/2724 [14:06:56<85:46:12, 131.84s/it][2023-06-07 22:24:46,26'
+    '0] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skippin'
+    'g step. Attempted loss scale: 4, reducing to 2\n'
+)
+
+
+def test_halvings_late_in_a_run_down_near_the_minimum_are_a_collapse_not_the_start_up_search():
+    d = explain.explain_text(LATE_HALVINGS)[0]
+    assert d.entry_id == "fp16-moe" and "halved 5 times in a row, down to 2" in d.finding
+    # the same lines numbered as steps 0-4 of a run: at the start that is the routine search
+    start = re.sub(r"\| 3(\d\d)/2724", lambda m: f"| {int(m.group(1)) - 78}/2724", LATE_HALVINGS)
+    assert "| 4/2724" in start and _ids(start) == []
+
+
+#: https://github.com/pytorch/torchtitan/issues/1246 (the printout, verbatim)
+TOPK = """\
+[XXX] layer:  1 topk_idx: [30, 30, 30, 30, 30, 30, 30, 30]
+[XXX] layer:  2 topk_idx: [19, 19, 19, 19, 19, 19, 19, 19]
+[XXX] layer:  3 topk_idx: [9, 9, 9, 9, 9, 9, 9, 9]
+"""
+
+
+def test_a_flat_top1_index_printout_shows_a_collapsed_router():
+    assert _ids(TOPK)[0] == "router-collapse"
+    mixed = TOPK.replace("[9, 9, 9, 9, 9, 9, 9, 9]", "[9, 3, 1, 7, 2, 5, 0, 4]").replace(
+        "[30, 30, 30, 30, 30, 30, 30, 30]", "[30, 1, 2, 30, 4, 5, 6, 7]").replace(
+        "[19, 19, 19, 19, 19, 19, 19, 19]", "[19, 2, 3, 4, 5, 6, 7, 8]")
+    assert _ids(mixed) == []
+
+
+def test_throughput_that_decays_step_after_step_is_a_trend():
+    """A tqdm rate (132.41s/it, from the report above) growing step after step; the same rate
+    steady is no trend."""
+    slowing = "\n".join(f" {i}/2724 [13:55:57<86:19:20, {132.41 * 1.3 ** i:.2f}s/it]" for i in range(8))
+    steady = "\n".join(f" {i}/2724 [13:55:57<86:19:20, {132.41 + i % 2:.2f}s/it]" for i in range(8))
+    assert any(f.value.startswith("throughput-decay") for f in _facts(slowing).of("trend"))
+    assert not _facts(steady).of("trend")
+
+
+def test_every_rank_stopping_after_the_same_line_is_a_trend():
+    """The start-up lines of real_peer_own_error.txt, as two ranks printed them, and nothing after."""
+    line = "initializing deepspeed distributed: GLOBAL_RANK: 0, MEMBER: 1/2"
+    assert line in _fixture("real_peer_own_error.txt")
+    both = f"[rank0]: {line}\n[rank1]: {line}\n"
+    assert any(f.value.startswith("stopped-same-line") for f in _facts(both).of("trend"))
+    assert not _facts(f"[rank0]: {line}\n[rank1]: RuntimeError: boom\n").of("trend")
+
+
+# -- broad claims, exclusions -----------------------------------------------------------------
+
+
+def test_a_broad_claim_is_named_only_when_nothing_specific_fits_and_its_fixes_apply():
+    assert _ids(DS_TO_UNIVERSAL)[0] == "ds-to-universal-mismatch"
+    d = explain.explain_text(DS_TO_UNIVERSAL)[0]
+    assert d.evidence[0].startswith("claim: a traceback through ds_to_universal.py")
+    # an import error raised inside the script: none of the entry's fixes applies
+    imported = DS_TO_UNIVERSAL.replace("RuntimeError: shape '[14336, 4096]' is invalid for input of size 51380224",
+                                       "ModuleNotFoundError: No module named 'deepspeed.checkpoint.constants'")
+    assert "ds-to-universal-mismatch" not in _ids(imported)
+    # a CUDA OOM raised inside it is the OOM (the specific entry), not a checkpoint mismatch
+    oom = _fixture("issue_cuda_oom_new_format.txt").splitlines()[-1]
+    assert "out of memory" in oom
+    ids = _ids(DS_TO_UNIVERSAL.replace("RuntimeError: shape '[14336, 4096]' is invalid for input of size 51380224",
+                                       oom))
+    assert ids[0] == "cuda-oom" and "ds-to-universal-mismatch" not in ids
+
+
+#: https://github.com/bshall/hubert/issues/1 (the end of the pasted traceback, verbatim)
+WINDOWS = (r'''
+  File "H:\CONDA\envs\stylegan3\lib\site-packages\torch\distributed\distributed_c10d.py", line 727, in '''
+           r'''_new_process_group_helper
+    raise RuntimeError("Distributed package doesn't have NCCL " "built in")
+RuntimeError: Distributed package doesn't have NCCL built in
+''')
+
+
+def test_an_entry_whose_fix_cannot_apply_is_excluded_and_the_facts_are_said_instead():
+    assert _ids(WINDOWS) == []
+    assert _ids(WINDOWS.replace("H:\\CONDA", "/opt/conda").replace("\\", "/"))[0] == "nccl-unavailable"
+    seen = explain.recognised(explain.from_text(WINDOWS))
+    assert seen.summary.startswith("a run failed with RuntimeError")
+    assert any("doesn't have NCCL built in" in f.value for f in seen.facts)
+
+
+# -- nothing fits; --why ----------------------------------------------------------------------
+
+
+def test_nothing_fits_says_what_was_recognised_through_the_cli(tmp_path):
+    """real_zero3_shape0_linear.txt with its error line replaced by one no entry knows."""
+    text = _fixture("real_zero3_shape0_linear.txt").replace(
+        "RuntimeError: size mismatch, got input (2), mat (2x8), vec (0)", "RuntimeError: CUBLAS handle lost")
+    log = tmp_path / "unknown.log"
+    log.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(log), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["diagnoses"] == []
+    assert report["recognised"]["summary"].startswith("a DeepSpeed ZeRO-3 run failed in forward with RuntimeError")
+    assert any("CUBLAS handle lost" in f for f in report["recognised"]["facts"])
+    proc = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(log)],
+                          capture_output=True, text=True, timeout=60)
+    assert "Recognised: a DeepSpeed ZeRO-3 run failed in forward" in proc.stdout
+    assert "These facts may help:" in proc.stdout
+
+
+def test_why_prints_the_evidence_each_diagnosis_was_named_on():
+    path = TRACEBACKS / "real_zero3_shape0_linear.txt"
+    proc = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(path), "--why"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "[zero3-param-not-available]" in out and "  evidence:" in out
+    assert "    - pattern: size mismatch, got input" in out
+    assert "(normalised before matching: ranks" in out
+    plain = subprocess.run([sys.executable, "-m", "troubleshooter", "explain", str(path)],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "evidence:" not in plain
+
+
+def test_the_facts_of_real_runs():
+    """A healthy torchrun run at DEBUG (tests/fixtures/benign/) and a real failing one: the library
+    lines, the stack and the frames are read; a healthy log has no error and no trend."""
+    healthy = _facts((Path(__file__).parent / "fixtures/benign/real_torchrun_debug.log").read_text())
+    assert healthy.find("library", re.compile(r"^torch I .*Running collective")) is not None
+    assert {"deepspeed", "lightning"} <= {f.value for f in healthy.of("stack")}
+    assert not healthy.of("error") and not healthy.of("trend")
+    failing = _facts(_fixture("real_zero3_shape0_linear.txt"))
+    assert failing.find("frame", re.compile(r"deepspeed/runtime/zero/linear\.py::forward$")) is not None
+    assert failing.find("library", re.compile(r"^deepspeed WARNING .*Setting accelerator to CPU")) is not None
+    assert failing.has("phase", "forward") and failing.has("stack", "zero-3") and failing.has("number", "shape-zero")

@@ -1,0 +1,190 @@
+"""The normaliser (troubleshooter/normalize.py): one test per form of mangling issue 36 lists.
+
+Inputs are real texts. Where a public report shows the form, a short excerpt of it is quoted with
+its URL (these reports are in the development half of the issue-36 corpus). Otherwise a real
+fixture of tests/fixtures/tracebacks/ (a real error, generated or copied verbatim) is mangled the
+way the issue documents (underscores to spaces, curly quotes, rank prefixes interleaved, Markdown
+around it), and the test checks both the normalised text and that ``explain`` names the same
+entry as on the clean fixture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from troubleshooter import explain
+from troubleshooter.normalize import (
+    drop_repeats,
+    identifier_vocabulary,
+    lift_errors_from_prose,
+    normalize,
+    rejoin_wrapped,
+    strip_rank_prefixes,
+)
+
+TRACEBACKS = Path(__file__).parent / "fixtures" / "tracebacks"
+
+
+def _fixture(name: str) -> str:
+    """A fixture without its '# real: ...' / '# verbatim ...' header line."""
+    lines = (TRACEBACKS / name).read_text().splitlines()
+    return "\n".join(line for line in lines if not line.startswith("# "))
+
+
+def _norm(text: str):
+    return normalize(text, explain._vocabulary())
+
+
+def _top(text: str) -> str | None:
+    found = explain.explain_text(text)
+    return found[0].entry_id if found else None
+
+
+# -- prose in another language, the exception inside Markdown bullets and backticks ------------
+
+#: https://github.com/thu-coai/CDial-GPT/issues/103 (first line, verbatim)
+ZH_PROSE = "执行中报错：RuntimeError: Address already in use"
+
+
+def test_an_error_inside_prose_in_another_language_gets_a_line_of_its_own():
+    norm = _norm(ZH_PROSE)
+    assert norm.text.splitlines() == ["执行中报错:RuntimeError: Address already in use",
+                                      "RuntimeError: Address already in use"]
+    assert norm.lines == (1, 1) and "prose" in norm.steps
+
+
+def test_an_exception_in_a_backticked_bullet_is_lifted_and_the_entry_named():
+    """issue_extension_build_cpu_adam.txt's error line, quoted the way the issue describes:
+    a bullet in Chinese prose with the exception in backticks (and curly quotes from the page)."""
+    error = _fixture("issue_extension_build_cpu_adam.txt").splitlines()[-1]
+    assert error.startswith("AttributeError: 'DeepSpeedCPUAdam'")
+    pasted = "我用 DeepSpeed 训练时：\n- 第二次运行报错 `" + error.replace("'", "\u2019") + "` 请问怎么办？\n"
+    norm = _norm(pasted)
+    assert error in norm.text.splitlines()
+    assert _top(pasted) == _top(error) == "extension-build-error"
+
+
+# -- identifiers mangled by the paste ---------------------------------------------------------
+
+
+def test_underscores_turned_into_spaces_and_curly_quotes_are_repaired_in_known_identifiers():
+    error = _fixture("issue_extension_build_cpu_adam.txt").splitlines()[-1]
+    mangled = error.replace("ds_opt_adam", "ds opt adam").replace("'", "\u2018", 1).replace("'", "\u2019")
+    assert _top(mangled) == "extension-build-error"
+    assert _norm(mangled).text == error
+    assert "ds_opt_adam" in identifier_vocabulary([r"object has no attribute 'ds_opt_(?:adam|adagrad)'",
+                                                   r"ds_opt_adam\b"])
+
+
+def test_a_file_path_split_by_a_space_and_a_file_name_with_spaces_are_rejoined():
+    """Frames of real_zero3_shape0_linear.txt with the path split at a '/' and a file name's
+    underscore turned into a space (as a rendered page does)."""
+    text = _fixture("real_zero3_shape0_linear.txt")
+    frame = next(line for line in text.splitlines() if "autograd/function.py" in line)
+    mangled = frame.replace("autograd/function.py", "autograd/ function.py")
+    assert _norm(mangled).text == frame[len("[rank0]: "):]
+    logger = next(line for line in text.splitlines() if "c10d_logger.py" in line)
+    assert "c10d_logger.py" in _norm(logger.replace("c10d_logger", "c10d logger")).text
+
+
+# -- two ranks' tracebacks interleaved --------------------------------------------------------
+
+
+def _rank0_traceback() -> list[str]:
+    lines = _fixture("real_zero3_shape0_linear.txt").splitlines()
+    return [line for line in lines if line.startswith("[rank0]:")]
+
+
+def test_two_ranks_interleaved_line_by_line_are_put_back_rank_by_rank():
+    ours = _rank0_traceback()
+    theirs = [line.replace("[rank0]:", "[rank1]:", 1) for line in ours]
+    interleaved = [line for pair in zip(theirs, ours) for line in pair]  # rank 1 first, then 0
+    norm = _norm("\n".join(interleaved))
+    plain = [line[len("[rank0]: "):] for line in ours]
+    assert norm.text.splitlines() == plain + plain  # rank 1's block, then rank 0's, each whole
+    assert norm.lines[:2] == (1, 3) and norm.input_line(len(plain) + 1) == 2
+    assert _top("\n".join(interleaved)) == "zero3-param-not-available"
+
+
+def test_bare_numeric_rank_prefixes_are_ranks_only_on_three_lines_or_more():
+    lines = [(1, "0: Traceback (most recent call last):"), (2, "1: Traceback (most recent call last):"),
+             (3, "0: RuntimeError: a"), (4, "1: RuntimeError: b")]
+    assert [t for _, t in strip_rank_prefixes(lines)] == ["Traceback (most recent call last):",
+                                                          "RuntimeError: a",
+                                                          "Traceback (most recent call last):",
+                                                          "RuntimeError: b"]
+    one = [(1, "1: install the package")]
+    assert strip_rank_prefixes(one) == one
+
+
+def test_unprefixed_interleaving_with_every_line_printed_twice_keeps_each_once():
+    plain = [line[len("[rank0]: "):] for line in _rank0_traceback()]
+    doubled = [(i, line) for i, line in enumerate((x for line in plain for x in (line, line)), 1)]
+    assert [t for _, t in drop_repeats(doubled)] == plain
+
+
+# -- a message wrapped across lines, or cut ---------------------------------------------------
+
+#: https://github.com/bigcode-project/starcoder/issues/77 (the end of the pasted rich traceback)
+WRAPPED = """\
+AssertionError: Check batch related parameters. train_batch_size is not
+equal to micro_batch_per_gpu * gradient_acc_step * world_size 64 != 4 *
+8 * 1
+ERROR:torch.distributed.elastic.multiprocessing.api:failed (exi"""
+
+
+def test_a_message_wrapped_over_three_lines_is_rejoined_and_named():
+    norm = _norm(WRAPPED)
+    first = norm.text.splitlines()[0]
+    assert first.endswith("world_size 64 != 4 * 8 * 1") and norm.lines[0] == 1
+    assert norm.text.splitlines()[1].startswith("ERROR:torch")  # the next log line is not joined
+    assert _top(WRAPPED) == "batch-arithmetic"
+
+
+def test_a_short_complete_error_line_is_not_joined_to_the_prose_after_it():
+    lines = [(1, "RuntimeError: Address already in use"), (2, "Then I changed the port and it worked.")]
+    assert rejoin_wrapped(lines) == lines
+
+
+# -- Markdown, quotes and prefixes ------------------------------------------------------------
+
+
+def test_code_fences_block_quotes_and_prefixes_are_removed_and_lines_map_back():
+    """issue_cuda_home_assert.txt quoted in a Markdown reply (> and a fence), each line with a
+    pdsh host prefix and a timestamp, as a forum reply of a multi-node log shows it."""
+    clean = _fixture("issue_cuda_home_assert.txt").splitlines()
+    pasted = ["> ```text"] + [f"> node-7: 2024-05-01 10:00:0{i % 10},123 {line}" for i, line in enumerate(clean)]
+    pasted.append("> ```")
+    norm = _norm("\n".join(pasted))
+    assert norm.text.splitlines() == clean
+    assert norm.lines == tuple(range(2, len(clean) + 2))
+    assert norm.quote(norm.input_line(1)) == pasted[1]  # quoting back gives the input's own line
+    assert _top("\n".join(pasted)) == _top("\n".join(clean)) == "cuda-home-missing"
+
+
+def test_a_host_prefix_before_rank_prefixes_goes_first_so_the_ranks_are_still_put_back():
+    """Two ranks of real_zero3_shape0_linear.txt on one node of a pdsh/DeepSpeed multi-node launch."""
+    ours = _rank0_traceback()
+    theirs = [line.replace("[rank0]:", "[rank1]:", 1) for line in ours]
+    pasted = [f"node-2: {line}" for pair in zip(ours, theirs) for line in pair]
+    plain = [line[len("[rank0]: "):] for line in ours]
+    assert _norm("\n".join(pasted)).text.splitlines() == plain + plain
+
+
+def test_a_word_before_a_colon_on_a_line_or_two_is_not_a_host():
+    text = "Error: it failed\nNote: see below\nTraceback (most recent call last):"
+    assert _norm(text).text == text
+
+
+@pytest.mark.parametrize("line, lifted", [
+    ("the run stops with torch.cuda.OutOfMemoryError: CUDA out of memory.",
+     "torch.cuda.OutOfMemoryError: CUDA out of memory."),
+    ("and then the job ended with `AssertionError` and nothing else", "AssertionError"),
+    ("then **ValueError: bad value** again", "ValueError: bad value"),
+    ("nothing here but a ValueErrorish word", None),
+])
+def test_error_lines_are_found_after_other_words(line, lifted):
+    out = [t for _, t in lift_errors_from_prose([(1, line)])]
+    assert out == [line] + ([lifted] if lifted else [])

@@ -1,0 +1,374 @@
+"""What a report contains, as typed facts: the evidence ``explain`` decides on.
+
+Why facts and not one pattern per entry: the same problem is pasted in many wordings, and a
+pattern written against one of them misses the others, or, written broadly, claims reports it
+does not explain. A fact is one thing the report shows, of one kind, stated as a short text that
+an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
+:mod:`troubleshooter.decide`) are matched against:
+
+* ``error``: an exception line, ``Type: message`` (``type``: its class name alone);
+* ``frame``: a traceback frame, ``path/to/file.py::function``;
+* ``library``: a library's own log line, ``deepspeed INFO <text>``, ``nccl WARN <text>``,
+  ``torch W <text>``;
+* ``config``: a configuration key and its value, ``key=value`` (JSON, YAML, DeepSpeed's
+  config printout);
+* ``stack``: what ran: ``deepspeed``, ``zero-1``/``zero-2``/``zero-3``, ``lightning``,
+  ``transformers``, ``torchrun``, ``nccl``, ``gloo``, ``fp16``, ``bf16``, ``offload``, ``moe``;
+* ``phase``: where it failed: ``backward``, ``forward``, ``optimizer-step``, ``initialize``,
+  ``checkpoint-save``, ``checkpoint-load``, ``build``;
+* ``number``: numbers with a meaning: ``shape-zero`` (a size-0 tensor in an error message),
+  ``params-size-zero`` (a printout listing parameters with 0 elements),
+  ``oom requested=... free=...``, ``timeout-ms=600000``;
+* ``trend``: patterns over time: ``loss-scale-collapse`` (:mod:`troubleshooter.loss_scale`),
+  ``expert-collapse`` (:mod:`troubleshooter.expert_load`), ``throughput-decay``,
+  ``stopped-same-line`` (every rank's output ends on the same line, with no error).
+
+:func:`collect` reads them from a :class:`~troubleshooter.normalize.Normalized` report (the
+trends from the input as it is: their readers strip prefixes themselves); :func:`summary` says
+what was recognised when no known problem fits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from troubleshooter import expert_load, loss_scale
+from troubleshooter.normalize import ERROR_LINE, Normalized
+from troubleshooter.oom_numbers import parse_oom
+
+__all__ = ["Evidence", "Fact", "collect", "helpful", "summary"]
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"\n]+)",? line (?P<line>\d+),? in (?P<func>[^\s\n]+)', re.M)
+_DS_LINE = re.compile(r"^\s*(?:\[[^\]\n]*\]\s*)?\[(?P<level>INFO|WARNING|ERROR|DEBUG)\]\s*\[(?P<src>[\w.]+):\d+", re.M)
+_NCCL_LINE = re.compile(r"^\s*[\w.-]*:\d+:\d+ \[\d+\] NCCL (?P<level>INFO|WARN|ERROR) (?P<text>[^\n]*)", re.M)
+_TORCH_LINE = re.compile(r"^\s*\[?(?P<level>[WEI])\d{4} [\d:.]+ (?:\d+ )?(?P<text>[^\n]*)", re.M)
+_CONFIG = re.compile(
+    r"""["']?(?P<key>stage|zero_optimization_stage|offload_(?:param|optimizer)|overlap_comm|contiguous_gradients"""
+    r"""|reduce_bucket_size|stage3_[a-z_]+|train_micro_batch_size_per_gpu|gradient_accumulation_steps"""
+    r"""|train_batch_size|fp16|bf16|enabled|loss_scale|initial_scale_power|min_loss_scale|ep_size"""
+    r"""|num_experts|moe_[a-z_]+|device|pin_memory|zero_stage|precision|strategy)["']?\s*[:=]\s*"""
+    r"""(?P<value>"[^"\n]{0,60}"|'[^'\n]{0,60}'|[\w.+-]{1,40}|\{)""")
+_STACK = (
+    ("deepspeed", re.compile(r"\bdeepspeed\b|\bds_config|\[deepspeed\]", re.I)),
+    ("zero-3", re.compile(r"zero[_ -]?(?:stage[_ -]?)?3(?!\d)|stage3\b|\"stage\"\s*:\s*3(?!\d)|zero\.Init\b"
+                          r"|partition_parameters\.py|ds_(?:numel|tensor|status)\b|stage_?3\.py|zero3", re.I)),
+    ("zero-2", re.compile(r"zero[_ -]?(?:stage[_ -]?)?2(?!\d)|\"stage\"\s*:\s*2(?!\d)|stage_1_and_2\.py|zero2", re.I)),
+    ("zero-1", re.compile(r"zero[_ -]?(?:stage[_ -]?)?1(?!\d)|\"stage\"\s*:\s*1(?!\d)", re.I)),
+    ("lightning", re.compile(r"\blightning\b|pytorch_lightning", re.I)),
+    ("transformers", re.compile(r"\btransformers[/\\.]|\bTrainer\b|from_pretrained", re.I)),
+    ("accelerate", re.compile(r"\baccelerate\b", re.I)),
+    ("torchrun", re.compile(r"\btorchrun\b|torch\.distributed\.(?:run|launch|elastic)", re.I)),
+    ("nccl", re.compile(r"\bNCCL\b")),
+    ("gloo", re.compile(r"\bgloo\b", re.I)),
+    ("fp16", re.compile(r"\bfp16\b|float16|loss scale", re.I)),
+    ("bf16", re.compile(r"\bbf16\b|bfloat16", re.I)),
+    ("offload", re.compile(r"offload_(?:param|optimizer)|\boffload", re.I)),
+    ("moe", re.compile(r"\bMoE\b|mixture.of.experts|\bexperts?\b|ep_size|moe", re.I)),
+)
+_PHASES = (
+    ("backward", re.compile(r"::backward$|_engine_run_backward|run_backward|reduce_(?:ready_partitions|partition)"
+                            r"|reduce_scatter|grad_fn", re.I | re.M)),
+    ("optimizer-step", re.compile(r"::step$|_take_model_step|optimizer_step", re.I | re.M)),
+    ("checkpoint-save", re.compile(r"save_checkpoint|_save_zero_checkpoint|torch\.save\b|save_model"
+                                   r"|serialization\.py::_?save\b", re.I)),
+    ("checkpoint-load", re.compile(r"load_checkpoint|load_state_dict|zero_to_fp32|ds_to_universal|from_pretrained",
+                                   re.I)),
+    ("initialize", re.compile(r"::initialize$|::__init__$|::_configure_|::setup$", re.I | re.M)),
+    ("build", re.compile(r"ninja|JIT|op_builder|building extension|CUDA_HOME|nvcc", re.I)),
+    ("forward", re.compile(r"::(?:forward|_forward|_call_impl|zero3_linear_wrap)$", re.I | re.M)),
+)
+#: An error message with a size-0 tensor (a ZeRO-3 placeholder's 1-D shape [0], or a view of it
+#: such as [-1, 0]); a first dimension of 0 ([0, 4096]) is an empty batch, not this.
+_SHAPE_ZERO = re.compile(
+    r"Size\(\[0\]\)|\[0\]|\[-1, 0\]|\b(?:tensor [ab]|vec|existing size) \(0\)|of 0 elements"
+    r"|numel(?:\(\))? (?:is |== )?0\b|input of size 0\b", re.I)
+#: A printout line naming a parameter and a size of 0 (``layers.3.fc1.weight, 0``,
+#: ``... torch.Size([0])``, ``numel: 0``): many of them are ZeRO-3's partitioned placeholders.
+_PARAM_ZERO = re.compile(r"^\W*[\w.]+\.(?:weight|bias)\b\W{1,4}(?:(?:numel|shape|size)\W{0,3})?"
+                         r"(?:0|torch\.Size\(\[0\]\)|\[0\]|\(0,?\))\s*$", re.M)
+#: This many such lines make a listing, not an accident.
+PARAM_ZERO_LINES = 5
+_TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms"
+                      r"|(\d+) milliseconds before timing out", re.I)
+_RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it|samples/s(?:ec)?|tokens?/s(?:ec)?|tok/s|TFLOPS)\b"
+                   r"|(?P<key>samples_per_second|tokens_per_sec(?:ond)?|throughput)\W{1,3}"
+                   r"(?P<value2>\d+(?:\.\d+)?)", re.I)
+#: A line of the loss-scale history (where a loss-scale trend is quoted from).
+_SCALE_LINE = re.compile(r"OVERFLOW|overflow|\bskipped[=:]|loss scale|Minimum loss scale", re.I)
+_RANK_PREFIX = re.compile(r"^\s*(?:\[rank(\d+)\]:|(\d{1,3}): )")
+#: Stack and configuration facts are looked for in this many characters at the start of a report
+#: (where config printouts are) and TAIL_CHARS at its end (where the error is): a 4 MiB log is
+#: not searched whole by every fact's regex. Library lines are read from the tail only.
+HEAD_CHARS = 16 * 1024
+TAIL_CHARS = 128 * 1024
+#: The stack (what ran) is looked for in HEAD_CHARS and this many characters at the end.
+STACK_TAIL_CHARS = 64 * 1024
+#: A throughput series must have this many points, and end below this share of its early best.
+TREND_POINTS = 6
+DECAY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One thing the report shows. ``value`` is what evidence terms match; ``line_no`` is the
+    input's line (1-based, 0 when the fact is the whole report's)."""
+
+    kind: str
+    value: str
+    line_no: int
+    offset: int = 0  # in the normalised text
+
+    def describe(self) -> str:
+        """``kind value (line N)``, as ``explain --why`` prints it."""
+        where = f" (line {self.line_no})" if self.line_no else ""
+        value = self.value if len(self.value) <= 160 else self.value[:159] + "…"
+        return f"{self.kind} {value}{where}"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Every fact of a report, in order of kind, then of appearance."""
+
+    facts: tuple[Fact, ...]
+
+    def of(self, kind: str) -> tuple[Fact, ...]:
+        """The facts of one kind."""
+        return tuple(f for f in self.facts if f.kind == kind)
+
+    def find(self, kind: str, pattern: re.Pattern[str]) -> Fact | None:
+        """The last fact of ``kind`` whose value ``pattern`` finds (the end of a log matters)."""
+        found = None
+        for f in self.facts:
+            if f.kind == kind and pattern.search(f.value):
+                found = f
+        return found
+
+    def has(self, kind: str, value: str) -> bool:
+        """Whether there is a fact of ``kind`` with exactly this value."""
+        return any(f.kind == kind and f.value == value for f in self.facts)
+
+
+def _errors(norm: Normalized) -> list[Fact]:
+    out = []
+    offset = 0
+    for i, line in enumerate(norm.text.split("\n"), 1):
+        hit = ERROR_LINE.match(line.strip()) if ("Error" in line or "Exception" in line
+                                                  or "Interrupt" in line or "Failure" in line) else None
+        if hit:
+            message = (hit.group("message") or "").strip()
+            value = hit.group("type") + (f": {message}" if message else "")
+            out.append(Fact("error", value, norm.input_line(i), offset))
+            out.append(Fact("type", hit.group("type").rsplit(".", 1)[-1], norm.input_line(i), offset))
+        offset += len(line) + 1
+    return out
+
+
+def _frames(norm: Normalized) -> list[Fact]:
+    return [Fact("frame", f"{m.group('file').replace(chr(92), '/')}::{m.group('func')}",
+                 norm.line_of_offset(m.start()), m.start()) for m in _FRAME.finditer(norm.text)]
+
+
+def _library_lines(norm: Normalized) -> list[Fact]:
+    text = norm.text
+    start = max(0, len(text) - TAIL_CHARS)
+    out = [Fact("library", f"deepspeed {m.group('level')} {text[m.start():text.find(chr(10), m.start())].strip()}",
+                norm.line_of_offset(m.start()), m.start()) for m in _DS_LINE.finditer(text, start)]
+    if "NCCL" in text:
+        out += [Fact("library", f"nccl {m.group('level')} {m.group('text').strip()}", norm.line_of_offset(m.start()),
+                     m.start()) for m in _NCCL_LINE.finditer(text, start)]
+    out += [Fact("library", f"torch {m.group('level')} {m.group('text').strip()}", norm.line_of_offset(m.start()),
+                 m.start()) for m in _TORCH_LINE.finditer(text, start)]
+    return out
+
+
+def _config(norm: Normalized) -> list[Fact]:
+    seen: dict[str, Fact] = {}
+    text = norm.text
+    hits = [*_CONFIG.finditer(text, 0, min(len(text), HEAD_CHARS))]
+    if len(text) > HEAD_CHARS:
+        hits += _CONFIG.finditer(text, max(HEAD_CHARS, len(text) - TAIL_CHARS))
+    for m in hits:
+        value = m.group("value").strip("\"'")
+        seen[f"{m.group('key')}={value}"] = Fact("config", f"{m.group('key')}={value}",
+                                                  norm.line_of_offset(m.start()), m.start())
+    return list(seen.values())
+
+
+def _first(pattern: re.Pattern[str], norm: Normalized) -> int | None:
+    """The first hit in the head or the tail of the report (a huge log is not read whole)."""
+    text = norm.text
+    hit = pattern.search(text, 0, min(len(text), HEAD_CHARS))
+    if hit is None and len(text) > HEAD_CHARS:
+        hit = pattern.search(text, max(HEAD_CHARS, len(text) - STACK_TAIL_CHARS))
+    return None if hit is None else hit.start()
+
+
+def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -> list[Fact]:
+    out = []
+    for name, pattern in _STACK:
+        at = _first(pattern, norm)
+        if at is not None:
+            out.append(Fact("stack", name, norm.line_of_offset(at), at))
+    # the phase: the innermost frame of the last traceback that tells one (frames outward)
+    last_error = errors[-1].offset if errors else len(norm.text)
+    near = [f for f in frames if f.offset < last_error][-12:]
+    for frame in reversed(near):
+        name = next((n for n, pattern in _PHASES if pattern.search(frame.value)), None)
+        if name is not None:
+            out.append(Fact("phase", name, frame.line_no, frame.offset))
+            break
+    return out
+
+
+def _numbers(norm: Normalized, errors: list[Fact]) -> list[Fact]:
+    out = []
+    for e in errors:
+        if e.kind == "error" and re.search(r"shape|size|dimension|broadcast|numel|view|reshape", e.value, re.I) \
+                and _SHAPE_ZERO.search(e.value):
+            out.append(Fact("number", "shape-zero", e.line_no, e.offset))
+    listing = list(_PARAM_ZERO.finditer(norm.text[-TAIL_CHARS:]))
+    if len(listing) >= PARAM_ZERO_LINES:
+        base = max(0, len(norm.text) - TAIL_CHARS)
+        out.append(Fact("number", f"params-size-zero: {len(listing)} parameters listed with 0 elements",
+                        norm.line_of_offset(base + listing[0].start()), base + listing[0].start()))
+    base = max(0, len(norm.text) - TAIL_CHARS)
+    tail = norm.text[base:]
+    oom = parse_oom(tail) if "memory" in tail else None
+    if oom is not None:
+        out.append(Fact("number", f"oom {oom.summary()}", 0))
+    hit = _TIMEOUT.search(tail) if "out" in tail else None
+    if hit:
+        ms = next(g for g in hit.groups() if g)
+        out.append(Fact("number", f"timeout-ms={ms}", norm.line_of_offset(base + hit.start()), base + hit.start()))
+    return out
+
+
+def _throughput_decay(text: str) -> str | None:
+    """Throughput that falls step after step: the last value below DECAY_SHARE of the best of the
+    first third, and most steps falling."""
+    values: list[float] = []
+    slower_is_larger = False
+    for m in _RATE.finditer(text):
+        raw = m.group("value") or m.group("value2")
+        values.append(float(raw))
+        slower_is_larger = slower_is_larger or (m.group("unit") or "").lower() == "s/it"
+    if len(values) < TREND_POINTS:
+        return None
+    if slower_is_larger:
+        values = [1.0 / v for v in values if v > 0]
+    third = max(1, len(values) // 3)
+    best, last = max(values[:third]), values[-1]
+    falling = sum(1 for a, b in zip(values, values[1:]) if b < a)
+    if best > 0 and last < DECAY_SHARE * best and falling >= 0.6 * (len(values) - 1):
+        return f"throughput fell from {best:g} to {last:g} over {len(values)} readings"
+    return None
+
+
+def _stopped_same_line(text: str) -> str | None:
+    """Every rank's output (two or more ranks) ends on the same line, and no rank printed an error."""
+    last: dict[str, str] = {}
+    for line in text.split("\n"):
+        hit = _RANK_PREFIX.match(line)
+        if hit and line[hit.end():].strip():
+            last[hit.group(1) or hit.group(2)] = line[hit.end():].strip()
+    if len(last) < 2 or len(set(last.values())) != 1:
+        return None
+    if any(ERROR_LINE.match(v) for v in last.values()):
+        return None
+    return f"all {len(last)} ranks stop after: {next(iter(last.values()))[:120]}"
+
+
+def _trends(norm: Normalized) -> list[Fact]:
+    """Trends in the report's last TAIL_CHARS (line numbers are those of the whole input)."""
+    out = []
+    base = max(0, len(norm.original) - TAIL_CHARS)
+    tail = norm.original[base:]
+    skipped = norm.original.count("\n", 0, base)
+    lowered = tail.lower()
+    reason = (loss_scale.collapse(loss_scale.history(tail))
+              if "overflow" in lowered or "loss scale" in lowered or "skipped=" in lowered else None)
+    if reason:
+        last = None
+        for last in _SCALE_LINE.finditer(tail):
+            pass
+        line_no = skipped + tail.count("\n", 0, last.start()) + 1 if last else 0
+        out.append(Fact("trend", f"loss-scale-collapse: {reason}", line_no))
+    expert = "expert" in lowered or "topk" in lowered or "top_k" in lowered or "router" in lowered
+    found = expert_load.find_collapse(tail) if expert else None
+    if found is not None:
+        out.append(Fact("trend", f"expert-collapse: {found.summary}", skipped + tail.count("\n", 0, found.offset) + 1))
+    rates = any(k in lowered for k in ("/s", "s/it", "throughput", "per_second", "per_sec", "tflops"))
+    decay = _throughput_decay(tail) if rates else None
+    if decay:
+        out.append(Fact("trend", f"throughput-decay: {decay}", 0))
+    stopped = _stopped_same_line(tail)
+    if stopped:
+        out.append(Fact("trend", f"stopped-same-line: {stopped}", 0))
+    return out
+
+
+def collect(norm: Normalized) -> Evidence:
+    """Every fact the normalised report shows."""
+    errors = _errors(norm)
+    frames = _frames(norm)
+    facts = [*errors, *frames, *_library_lines(norm), *_config(norm), *_stack_and_phase(norm, frames, errors),
+             *_numbers(norm, errors), *_trends(norm)]
+    return Evidence(tuple(facts))
+
+
+def _stack_words(ev: Evidence) -> str:
+    names = [f.value for f in ev.of("stack")]
+    zero = next((n for n in ("zero-3", "zero-2", "zero-1") if n in names), None)
+    words = []
+    if "deepspeed" in names or zero:
+        words.append("DeepSpeed" + (f" ZeRO-{zero[-1]}" if zero else ""))
+    words += [w for n, w in (("lightning", "Lightning"), ("transformers", "Transformers"),
+                             ("accelerate", "Accelerate")) if n in names]
+    return " + ".join(words)
+
+
+#: What an error message is about, in a few words, for the summary (the first that fits).
+_MESSAGE_KINDS = tuple((re.compile(p, re.I), words) for p, words in (
+    (r"out of memory|OutOfMemory|can't allocate memory|bad_alloc", "out of memory"),
+    (r"size mismatch|shape|must match the size|size of tensor|dimension|broadcast|numel", "a size mismatch"),
+    (r"timed? ?out|timeout", "a timeout"),
+    (r"No module named|cannot import name|ImportError|undefined symbol", "an import failure"),
+    (r"Address already in use|Connection (?:refused|reset|closed)|Broken pipe", "a connection failure"),
+    (r"expected all tensors to be on the same device|device", "a device mismatch"),
+    (r"No such file or directory|FileNotFoundError|Permission denied", "a missing or unreadable file"),
+))
+
+
+def summary(ev: Evidence) -> str:
+    """One sentence of what was recognised, for a report no known problem fits: "a DeepSpeed
+    ZeRO-3 run failed in backward with RuntimeError (a size-0 tensor)"."""
+    stack = _stack_words(ev)
+    errors = [f for f in ev.of("error")]
+    phase = next(iter(ev.of("phase")), None)
+    trends = ev.of("trend")
+    run = f"a {stack} run" if stack else "a run"
+    if errors:
+        last = errors[-1]
+        kind = last.value.split(":", 1)[0].rsplit(".", 1)[-1]
+        what = next((words for pattern, words in _MESSAGE_KINDS if pattern.search(last.value)), "")
+        shape = ", with a size-0 tensor" if ev.has("number", "shape-zero") else ""
+        about = f" ({what}{shape})" if what else (f" ({shape[2:]})" if shape else "")
+        where = f" in {phase.value}" if phase else ""
+        return f"{run} failed{where} with {kind}{about} (line {last.line_no})"
+    if trends:
+        return f"{run} shows {trends[-1].value.split(':', 1)[0]}, without an error line"
+    return f"{run}; no error line was found"
+
+
+def helpful(ev: Evidence, limit: int = 8) -> tuple[Fact, ...]:
+    """The facts worth showing when nothing fits: the last error lines, the innermost frames,
+    the trends, the stack, the numbers, library warnings; at most ``limit``."""
+    picked: list[Fact] = []
+    picked += list(ev.of("error"))[-2:]
+    picked += list(ev.of("frame"))[-2:]
+    picked += list(ev.of("trend"))
+    picked += list(ev.of("number"))
+    picked += [f for f in ev.of("library") if re.search(r"\b(?:WARN(?:ING)?|ERROR|W|E)\b", f.value)][-2:]
+    picked += list(ev.of("config"))[:3]
+    return tuple(dict.fromkeys(picked))[:limit]
