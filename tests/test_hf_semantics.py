@@ -220,3 +220,80 @@ def test_dots3_routes_with_sigmoid_as_deepseek_v3() -> None:
     default made the probe fail by 0.06."""
     routing = routing_from_config(build("dots3_note_text").config)
     assert not isinstance(routing, str) and routing.score_func == "sigmoid"
+
+
+def _needs(arch: str) -> pytest.MarkDecorator:
+    from support.hf_zoo import ARCHS
+
+    return pytest.mark.skipif(arch not in ARCHS, reason=f"the installed transformers has no {arch} (5.25 added it)")
+
+
+@_needs("ergo")
+def test_ergo_falls_back_for_its_ungated_normed_experts_which_its_block_really_has() -> None:
+    """Ergo's reason names what its block computes; the block is checked for exactly that: the
+    router is found (``gate.linear``, not the experts' ``[E, H]`` norm weight), the experts hold
+    only ``up_proj``/``down_proj`` (no gate), and one route through expert e computes
+    ``rms_norm(relu(x @ up[e])^2 @ down[e]) * post_expert_norm.weight[e]``."""
+    root = _Holder(build("ergo"))
+    net = root.net
+    found = discover(root)
+    assert not found.blocks and found.fallback
+    for block in found.fallback:
+        assert "ungated (up_proj -> relu2 -> down_proj" in block.reason and "post_expert_norm" in block.reason
+        assert "3-D" not in block.reason
+        assert block.layout.router_weight == "gate.linear.weight"
+    experts = root.get_submodule(found.fallback[0].path).experts
+    three_d = sorted(n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3)
+    assert three_d == ["down_proj", "up_proj"]  # ungated: no gate_proj / gate_up_proj
+    e, hidden = 3, net.config.hidden_size
+    assert tuple(experts.post_expert_norm.weight.shape) == (net.config.num_experts, hidden)
+    with torch.no_grad():
+        experts.post_expert_norm.weight.uniform_(0.5, 2.0)
+        x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0))
+        got = experts(x, torch.full((5, 1), e), torch.ones(5, 1))
+        mlp = torch.relu(x @ experts.up_proj[e]).square() @ experts.down_proj[e]
+        want = nn.functional.rms_norm(mlp, (hidden,), eps=experts.post_expert_norm.eps) * \
+            experts.post_expert_norm.weight[e]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@_needs("kolibri1_1")
+def test_kolibri1_1_converts_with_a_zero_bias_and_falls_back_with_a_non_zero_one() -> None:
+    """Its router takes the top-k of ``logits + e_score_correction_bias`` (AutoEP: of ``sigmoid +
+    bias``): with the tiny model's non-zero bias the two choices differ on real tokens, and the
+    block falls back naming the bias; at zero (a model from its config) they are one rule, and the
+    probe proves the conversion."""
+    net = build("kolibri1_1")
+    found = discover(net)
+    assert not found.blocks and len(found.fallback) == 2
+    assert all("e_score_correction_bias is non-zero" in b.reason for b in found.fallback), found.fallback
+    gate = net.get_submodule(found.fallback[0].path).gate
+    x = torch.randn(64, net.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))  # trained, not its zero init
+        logits, _, chosen = gate(x)
+        k = net.config.num_experts_per_tok
+        assert torch.equal(chosen.sort(-1).values, (logits + gate.e_score_correction_bias).topk(k).indices.sort(-1).values)
+        autoep = (logits.sigmoid() + gate.e_score_correction_bias).topk(k).indices.sort(-1).values
+        assert not torch.equal(chosen.sort(-1).values, autoep)
+        for name, buf in net.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    root = _Holder(net)
+    found = discover(root)
+    assert len(found.blocks) == 2 and found.autoep["score_func"] == "sigmoid"
+    assert found.autoep["route_norm"] is net.config.norm_topk_prob
+    narrowed, checks = check_conversion(root, found)
+    assert len(narrowed.blocks) == 2 and all(c.passed for c in checks), checks
+
+
+@_needs("minicpm5_moe")
+def test_minicpm5_moe_routes_as_deepseek_v3_scaled_and_the_probe_agrees() -> None:
+    net = build("minicpm5_moe")
+    root = _Holder(net)
+    found = discover(root)
+    assert found.blocks and not found.fallback
+    assert (found.autoep["score_func"], found.autoep["route_norm"], found.autoep["routed_scaling_factor"]) == \
+        ("sigmoid", True, net.config.routed_scaling_factor)
+    assert found.autoep["shared_experts_pattern"] == "shared_experts"
+    assert all(check_block(root, b, found).passed for b in found.blocks)

@@ -1,4 +1,4 @@
-"""Tiny configs for the Hugging Face MoE causal-LM families in transformers 5.17 to 5.24 (no downloads).
+"""Tiny configs for the Hugging Face MoE causal-LM families in transformers 5.17 to 5.25 (no downloads).
 
 Every model: hidden 64, 2 decoder layers that are MoE (3 with a dense first layer where the
 family has one), 4 experts, top-2, vocab 128. ``build(model_type)`` returns the causal LM in
@@ -17,7 +17,7 @@ import torch
 VOCAB = 128
 
 #: The 27 families of issue 9 (measured on transformers 5.22), the other MoE causal-LM types
-#: transformers 5.22.2 registers (``moe_model_types()``), then those 5.23 and 5.24 added.
+#: transformers 5.22.2 registers (``moe_model_types()``), then those 5.23, 5.24 and 5.25 added.
 ALL_ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoeshared deepseek_v2 deepseek_v3 glm4_moe "
              "glm4_moe_lite dots1 ernie4_5_moe hunyuan_v1_moe phimoe jetmoe dbrx llama4_text flex_olmo lfm2_moe "
              "exaone_moe afmoe cohere2_moe minimax qwen3_next qwen3_5_moe_text longcat_flash "
@@ -25,7 +25,8 @@ ALL_ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoesha
              "granitemoehybrid hy_v3 hy_v4 inkling_text jamba kimi_linear kolibri1 laguna mellum mimo_v2_flash "
              "minimax_m2 minimax_m3_vl_text nemotron_h qwen4_exp_text solar_open zaya "
              "dots3_note_text inkling2_text "  # 5.23
-             "inkling2_loop_text lara_mini sarvam_mla sarvam_moe").split()  # 5.24
+             "inkling2_loop_text lara_mini sarvam_mla sarvam_moe "  # 5.24
+             "ergo kolibri1_1 minicpm5_moe param2moe").split()  # 5.25
 
 
 def _registered(model_types: list[str]) -> tuple[str, ...]:
@@ -125,6 +126,15 @@ _EXTRA: dict[str, dict[str, Any]] = {
                             shared_experts_intermediate_size=32),
     # Built as DeepSeek-V3 (MLA); a head_dim in the config would be read as its legacy format.
     "sarvam_mla": dict(_MLA, head_dim=None),
+    # transformers 5.25. Ergo: sliding + global attention, a dense first block, ungated relu2 experts.
+    "ergo": dict(num_hidden_layers=3, num_dense_blocks=1, first_dense_intermediate_size=96,
+                 shared_intermediate_size=32, sliding_window=4, global_attention_every_n_layers=2),
+    # Kolibri-1.1: its validator wants head_dim % 16 == 0 and index_num_heads <= heads / kv_heads; indexed
+    # (sparse) attention with a small candidate pool.
+    "kolibri1_1": dict(sliding_window=4, index_num_heads=2, index_topk=4, index_pool_size=32, index_compression=4,
+                       index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_intermediate_size=96),
+    # Param2-MoE builds Glm4MoeForCausalLM; a dense first layer by default.
+    "param2moe": dict(num_hidden_layers=3, first_k_dense_replace=1),
 }
 
 
