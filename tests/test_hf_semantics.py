@@ -67,6 +67,8 @@ def test_probe_catches_route_norm_opposite_to_the_config(arch: str) -> None:
     assert not bad.passed and bad.output_error is not None and bad.output_error > 100 * bad.tolerance, bad
     message = bad.message(wrong.autoep)
     assert message.startswith(f"[{ENTRY_ID}] net.model.layers.") and "output differs by" in message
+    # norm_topk_prob flipped: the same experts, other weights, and the message says which part
+    assert "first difference: the combine weights (same experts" in message
     assert "without expert parallelism" in message and f"route_norm={not found.autoep['route_norm']}" in message
     narrowed, checks = check_conversion(root, wrong)
     assert not narrowed.blocks and {b.path for b in narrowed.fallback} == {b.path for b in found.blocks}
@@ -297,3 +299,37 @@ def test_minicpm5_moe_routes_as_deepseek_v3_scaled_and_the_probe_agrees() -> Non
         ("sigmoid", True, net.config.routed_scaling_factor)
     assert found.autoep["shared_experts_pattern"] == "shared_experts"
     assert all(check_block(root, b, found).passed for b in found.blocks)
+
+
+@pytest.mark.parametrize("arch, key, value, part", [
+    ("deepseek_v3", "routed_scaling_factor", 1.0, "the combine weights (same experts"),  # config says 2.5
+    ("glm4_moe", "top_k", 1, "the top-k choice (the original picks 2 experts, AutoEP 1)"),
+    ("mixtral", "expert_activation", "geglu_tanh", "the expert outputs (router scores, top-k choice and combine")])
+def test_a_failed_probe_names_the_first_differing_part(arch: str, key: str, value: object, part: str) -> None:
+    """One routing field set wrong in the section: the probe's message names the part that differs."""
+    root = _Holder(build(arch))
+    found = discover(root)
+    wrong = dataclasses.replace(found, autoep={**found.autoep, key: value})
+    bad = check_block(root, wrong.blocks[0], wrong)
+    assert not bad.passed and f"first difference: {part}" in bad.message(wrong.autoep), bad.detail
+
+
+@_needs("kolibri1_1")
+def test_a_failed_probe_names_the_top_k_choice_with_the_tokens_that_differ() -> None:
+    """Kolibri-1.1 converted for its zero bias, then given a non-zero one (as training with
+    aux-loss-free balancing elsewhere would): its choice top-k(logits + bias) is not AutoEP's."""
+    net = build("kolibri1_1")
+    with torch.no_grad():
+        for name, buf in net.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    root = _Holder(net)
+    found = discover(root)
+    block = root.get_submodule(found.blocks[0].path)
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+        block.gate.e_score_correction_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    bad = check_block(root, found.blocks[0], found)
+    assert not bad.passed
+    assert re.search(r"first difference: the top-k choice \(which experts\): \d+ of \d+ tokens go to other experts",
+                     bad.detail), bad.detail
