@@ -179,8 +179,8 @@ def weights_difference(config: Any, block: Any) -> str | None:
         tensor = getattr(tensor, name.rsplit(".", 1)[-1])
     except AttributeError:
         return None
-    if tensor is None or tensor.numel() == 0 or not bool(tensor.detach().any()):
-        return None
+    if tensor is None or tensor.numel() == 0 or getattr(tensor, "is_meta", False) or not bool(tensor.detach().any()):
+        return None  # zero, or not readable (meta device): the conversion probe decides on the real values
     return f"{reason}; here {name} is non-zero (max |value| {float(tensor.detach().abs().max()):.3g})"
 
 
