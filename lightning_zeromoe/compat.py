@@ -16,8 +16,38 @@ CHECKED_AGAINST = {
     "deepspeed": "0.19.8",
     "lightning": "2.6.6",
     "torch": "2.13.0",
-    "transformers": "5.24.0",
+    "transformers": "5.25.0",
 }
+
+
+
+class TestedVersion(NamedTuple):
+    """One release of a dependency and what was run on it (the docs' compatibility table reads these)."""
+
+    package: str
+    version: str
+    #: "tested": what ``run`` says passed; "failing": ``evidence`` names the failing call.
+    status: str
+    run: str
+    evidence: str
+
+
+#: Releases measured with this project (deepspeed 0.19.8, lightning 2.6.6, Python 3.11, CPU, 2 ranks).
+#: The ``hf`` extra's cap in pyproject.toml admits the newest tested transformers and nothing newer
+#: (tests/test_compat.py holds the two together).
+TESTED_VERSIONS = (
+    TestedVersion("transformers", "5.17.0", "tested", "CI floor smoke run (.ci/run): mixtral and qwen3_moe in "
+                  "tests/test_hf_coverage.py, tests/test_output_capture_shim.py", "the extras' floor"),
+    TestedVersion("transformers", "5.22.2", "tested", "the whole suite", "README, issue 9"),
+    TestedVersion("transformers", "5.23.0", "tested", "the whole suite", "compat.KNOWN_BAD_COMBINATIONS shim"),
+    TestedVersion("transformers", "5.24.0", "tested", "the whole suite (1109 passed, 24 min 45 s, commit 066bf11)",
+                  "README"),
+    TestedVersion("transformers", "5.25.0", "tested", "tests/test_hf_coverage.py (every MoE type of 5.25 at 2-rank "
+                  "parity, exported, from_pretrained) and the whole suite under torch 2.15.0 (see below)",
+                  "issue 34; transformers 5.25 requires the `kernels` package (0.19.x), which pip installs with it"),
+    TestedVersion("torch", "2.13.0", "tested", "the whole suite (CPU build, the local wheel scripts/setup.sh "
+                  "installs on CPU machines); tests/test_private_api.py", "README, issue 34"),
+)
 
 #: The earliest DeepSpeed with AutoEP under ZeRO-3 that this project is tested against.
 MIN_DEEPSPEED = "0.19.8"
@@ -74,7 +104,7 @@ KNOWN_BAD_COMBINATIONS = (
         entry="autoep-transformers-5.23",
         fix_id="pin-transformers",
         handled_by="ZeroMoEStrategy runs deepspeed.initialize inside autoep_output_capture_shim "
-        "(lightning_zeromoe/_private/deepspeed.py); 5.23.0 and 5.24.0 were measured to train under it",
+        "(lightning_zeromoe/_private/deepspeed.py); 5.23.0, 5.24.0 and 5.25.0 were measured to train under it",
     ),
 )
 
