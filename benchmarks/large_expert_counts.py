@@ -52,9 +52,9 @@ def _config(model_type: str, layers: int | None = None, ffn: int | None = None) 
     config = AutoConfig.for_model(model_type)
     if layers is not None:  # one MoE layer, nothing dense before it
         config.num_hidden_layers = layers
+        types = config.layer_types[:layers] if getattr(config, "layer_types", None) else None
         for attr, value in (("mlp_only_layers", []), ("num_dense_blocks", 0), ("first_k_dense_replace", 0),
-                            ("mlp_layer_types", ["sparse"] * layers), ("layer_types", config.layer_types[:layers]
-                                                                        if getattr(config, "layer_types", None) else None)):
+                            ("mlp_layer_types", ["sparse"] * layers), ("layer_types", types)):
             if hasattr(config, attr) and value is not None:
                 setattr(config, attr, value)
         if model_type == "kolibri1_1":

@@ -75,7 +75,8 @@ def first_difference(original: RouterView, converted: RouterView, num_experts: i
                 "cannot tell whether the choice, the combine weights or the expert outputs differ")
     want, got = original.indices.long().sort(-1).values, converted.indices.long().sort(-1).values
     if want.shape != got.shape:
-        return f"first difference: the top-k choice (the original picks {want.shape[-1]} experts, AutoEP {got.shape[-1]})"
+        return (f"first difference: the top-k choice (the original picks {want.shape[-1]} experts, "
+                f"AutoEP {got.shape[-1]})")
     other = (want != got).any(-1)
     if bool(other.any()):
         t = int(other.nonzero()[0])

@@ -52,9 +52,9 @@ INKLING2_EXPERTS = ("Inkling2's experts compute c_g*tanh(gate/c_g) * sigmoid(gat
                     "activations (swiglu, geglu_tanh, swiglu_clamped, swiglu_oai) clamp or do not bound at all; tanh is "
                     "nearly linear near 0, so on the tiny test model the probe measured only a 0.006 relative gap")
 
-KOLIBRI = ("Kolibri-1 and -1.1 add their e_score_correction_bias to the raw router logits before the top-k (AutoEP 0.19.8 adds it "
-           "to the sigmoid scores), so with a non-zero bias the experts AutoEP would choose differ (a zero bias, as in "
-           "a model trained from the config, converts)")
+KOLIBRI = ("Kolibri-1 and -1.1 add their e_score_correction_bias to the raw router logits before the top-k "
+           "(AutoEP 0.19.8 adds it to the sigmoid scores), so with a non-zero bias the experts AutoEP would choose "
+           "differ (a zero bias, as in a model built from its config, converts)")
 
 #: Read from each family's router ``forward`` in transformers 5.22 (see the module docstring).
 FAMILY_FACTS: dict[str, FamilyFacts] = {

@@ -2,7 +2,8 @@
 
 Candidates are the divisors of the world size that divide every MoE layer's expert count, inside one
 node unless allowed otherwise (every expert group of ``ep_size`` consecutive ranks on one node: so
-``ep_size`` divides the node's device count, e.g. not 5 on 8-GPU nodes although 160 experts allow it); each is planned (:func:`lightning_zeromoe.planner.plan.plan`) and the
+``ep_size`` divides the node's device count, e.g. not 5 on 8-GPU nodes although 160 experts allow it);
+each is planned (:func:`lightning_zeromoe.planner.plan.plan`) and the
 fastest setup that fits wins. Pure module: no torch import.
 """
 
