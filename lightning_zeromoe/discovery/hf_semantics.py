@@ -163,6 +163,7 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "or behind a separate sigmoid gate")),
 }
 
+
 def weights_difference(config: Any, block: Any) -> str | None:
     """The family's reason AutoEP cannot compute ``block`` with its current tensors, or None.
 
