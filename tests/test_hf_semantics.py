@@ -83,7 +83,9 @@ def test_probe_catches_llama4_score_apply() -> None:
     found = discover(root)
     assert found.autoep["score_apply"] == "pre" and check_block(root, found.blocks[0], found).passed
     wrong = dataclasses.replace(found, autoep={**found.autoep, "score_apply": "post"})
-    assert not check_block(root, wrong.blocks[0], wrong).passed
+    bad = check_block(root, wrong.blocks[0], wrong)
+    # its router returns dense [T, E] scores: read as the choice and weights, which agree
+    assert not bad.passed and "first difference: the expert outputs" in bad.detail, bad.detail
 
 
 def test_one_failing_block_narrows_the_pattern_to_the_others() -> None:

@@ -13,8 +13,9 @@ fp32, on the probe's tokens, with a hook on each router, and compares in order
    them: shared experts, norms) that differ.
 
 The original's choice and weights are read from its router's output where it returns them (the
-``(logits, weights, indices)`` of the routers of transformers 5.x); a router that returns its
-logits only lets this compare the scores alone, and the verdict says so.
+``(logits, weights, indices)`` of the routers of transformers 5.x, or dense ``[T, E]`` weights with
+``k`` non-zeros per token, as Llama-4's); a router that returns its logits only lets this compare
+the scores alone, and the verdict says so.
 """
 
 from __future__ import annotations
@@ -38,15 +39,30 @@ class RouterView:
     indices: torch.Tensor | None
 
 
-def _view(out: Any, num_experts: int) -> RouterView:
-    """The logits, weights and indices among a router's outputs (found by dtype and shape: the
-    indices are its integer ``[T, k]`` tensor, the weights the float one of the same shape)."""
+def _view(out: Any, num_experts: int, reference: torch.Tensor | None = None) -> RouterView:
+    """The logits, weights and indices among a router's outputs, found by dtype and shape.
+
+    The indices are its integer ``[T, k]`` tensor and the weights the float one of the same shape.
+    Among several float ``[T, E]`` outputs the logits are the one closest to ``reference`` (AutoEP's
+    logits: Llama-4 returns its scattered scores first). Without integer indices, a ``[T, E]`` output
+    with the same number ``k < E`` of non-zeros in every row is read as dense combine weights.
+    """
     parts = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
     flat = [t.detach().reshape(-1, t.shape[-1]) for t in parts if t.dim() >= 2]
     indices = next((t for t in flat if not t.is_floating_point()), None)
     weights = None if indices is None else next(
         (t for t in flat if t.is_floating_point() and t.shape == indices.shape), None)
-    logits = next((t for t in flat if t.is_floating_point() and t.shape[-1] == num_experts and t is not weights), None)
+    square = [t for t in flat if t.is_floating_point() and t.shape[-1] == num_experts and t is not weights]
+    logits = min(square, key=lambda t: relative_error(reference, t)) if square and reference is not None else \
+        next(iter(square), None)
+    if weights is None:
+        for dense in (t for t in square if t is not logits):
+            nonzero = (dense != 0).sum(-1)
+            k = int(nonzero[0]) if nonzero.numel() else 0
+            if 0 < k < num_experts and bool((nonzero == k).all()):
+                indices = dense.abs().topk(k, dim=-1).indices
+                weights, indices = dense.gather(1, indices), indices
+                break
     return RouterView(logits, weights, indices if weights is not None else None)
 
 
@@ -87,8 +103,9 @@ def first_difference(original: RouterView, converted: RouterView, num_experts: i
     if err > tol:
         return (f"first difference: the combine weights (same experts, weights differ by {err:.3g}; per-token sum "
                 f"{float(a.sum(-1).mean()):.4g} in the original, {float(b.sum(-1).mean()):.4g} in AutoEP's layer)")
-    return ("first difference: the expert outputs (router scores, top-k choice and combine weights agree; the experts "
-            "or what the block adds after them, such as shared experts or norms, differ)")
+    return ("first difference: the expert outputs (router scores, top-k choice and combine weights agree; the experts, "
+            "where the weights are applied (to the experts' input or output: score_apply) or what the block adds "
+            "after them, such as shared experts or norms, differ)")
 
 
 def diagnose(original: Side, converted: Side, x: torch.Tensor, *, original_router: str, num_experts: int,
@@ -104,8 +121,8 @@ def diagnose(original: Side, converted: Side, x: torch.Tensor, *, original_route
                  num_experts=num_experts, backward=False)
     if not seen["original"] or not seen["router"]:
         return "the routers could not be read (a router ran no forward)"
-    mine = _view(seen["original"][0], num_experts)
     auto = _view(seen["router"][0], num_experts)
     auto = RouterView(seen["gate"][0].detach().reshape(-1, num_experts) if seen["gate"] else None,
                       auto.weights, auto.indices)
+    mine = _view(seen["original"][0], num_experts, auto.logits)
     return first_difference(mine, auto, num_experts)
