@@ -26,13 +26,17 @@ ALL_ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoesha
              "minimax_m2 minimax_m3_vl_text nemotron_h qwen4_exp_text solar_open zaya "
              "dots3_note_text inkling2_text "  # 5.23
              "inkling2_loop_text lara_mini sarvam_mla sarvam_moe "  # 5.24
-             "ergo kolibri1_1 minicpm5_moe param2moe").split()  # 5.25
+             "ergo kolibri1_1 minicpm5_moe param2moe kolibri1_1+zero_bias").split()  # 5.25
+
+#: ``type+variant`` entries: the family built another way. Kolibri-1.1 converts only while its
+#: e_score_correction_bias is zero (hf_semantics.KOLIBRI): as built from its config, before any training.
+VARIANTS = {"zero_bias": "its routing biases left at their zero initial values (the model as built from its config)"}
 
 
 def _registered(model_types: list[str]) -> tuple[str, ...]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    return tuple(t for t in model_types if t in CONFIG_MAPPING_NAMES)
+    return tuple(t for t in model_types if t.partition("+")[0] in CONFIG_MAPPING_NAMES)
 
 
 #: The families the installed transformers has (older releases lack the newer types).
@@ -167,9 +171,12 @@ def _has(config: Any, key: str) -> bool:
 
 
 def build(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """The family's causal LM from a tiny config, float32, eager attention, seeded."""
+    """The family's causal LM from a tiny config, float32, eager attention, seeded (``type+variant``:
+    see :data:`VARIANTS`)."""
     from transformers import AutoModelForCausalLM
 
+    model_type, _, variant = model_type.partition("+")
+    assert not variant or variant in VARIANTS, variant
     torch.manual_seed(seed)
     config = tiny_config(model_type)
     config._attn_implementation = "eager"
@@ -179,7 +186,7 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     from lightning_zeromoe.discovery.structure import ROUTING_TENSOR_NAMES
 
     with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        for name, tensor in [] if variant == "zero_bias" else [*model.named_parameters(), *model.named_buffers()]:
             if name.rsplit(".", 1)[-1] in ROUTING_TENSOR_NAMES and tensor.is_floating_point():
                 gen = torch.Generator().manual_seed(len(name) + 1000 * seed)
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)
