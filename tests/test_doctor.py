@@ -256,6 +256,18 @@ def test_cuda_version_rule(tmp_path, torch_cuda, nvcc, skip_check, status, via_c
     assert code == (1 if status == "fail" else 0)
 
 
+def test_cuda_mismatch_without_a_gpu_warns_since_deepspeed_uses_its_cpu_accelerator(tmp_path):
+    """PyPI's CUDA wheel on a CPU machine (torch 2.15.0+cu132 against nvcc 13.0, measured here): no
+    GPU, so DeepSpeed builds no CUDA op; the mismatch is a warning with its fix, not a failure."""
+    fake_nvcc(tmp_path / "cuda", "13.0")
+    env = clean_env(PATH=path_with(tmp_path / "cuda" / "bin"),
+                    PYTHONPATH=str(fake_torch(tmp_path / "py", "13.2", gpus=0)))
+    code, payload = run_here(env, only=("cuda",))
+    match = by_id(payload)["cuda.match"]
+    assert match["status"] == "warn" and "no GPU is visible" in match["found"] and match["fix_id"], match
+    assert code == 0
+
+
 def test_cuda_home_wins_over_path_like_torch(tmp_path):
     """torch's rule: $CUDA_HOME/bin/nvcc is used even when another nvcc is first on PATH."""
     fake_nvcc(tmp_path / "on_path", "11.8")
