@@ -22,8 +22,8 @@ from lightning_zeromoe.discovery.block_probe import gathered, read_experts
 from lightning_zeromoe.discovery.result import (NUM_EXPERTS_FROM_ROUTER, Discovery, FallbackBlock, MoEBlock,
                                                blocks_matching, config_holder, join, num_experts_of, one_kind,
                                                prefix_pattern)
-from lightning_zeromoe.discovery.hf_semantics import (Routing, routing_from_config, text_config,
-                                                      training_only_difference, weights_difference)
+from lightning_zeromoe.discovery.hf_semantics import Routing, routing_from_config, text_config, training_only_difference
+from lightning_zeromoe.discovery.tensor_conditions import weights_difference
 from lightning_zeromoe.discovery.structure import BlockLayout, analyse_block, expected_num_experts, find_blocks
 from lightning_zeromoe.knowledge import say
 

@@ -34,7 +34,7 @@ class FamilyFacts:
     value. ``expert_activation``: AutoEP's name for the experts' activation, where it is not plain
     SwiGLU (a name in ``deepspeed.moe.ep_experts.EXPERT_ACTIVATIONS``). ``unsupported_unless_zero``:
     ``(block tensor, reason)``: the reason applies unless that tensor of the block is all zeros
-    (read from the model by :func:`weights_difference`, not from the config).
+    (read from the model by :func:`lightning_zeromoe.discovery.tensor_conditions.weights_difference`).
     """
 
     score_func: str = "softmax"
@@ -162,27 +162,6 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
         "global_scale), so each shared expert is weighted per token; AutoEP 0.19.8 adds shared experts unweighted "
         "or behind a separate sigmoid gate")),
 }
-
-
-def weights_difference(config: Any, block: Any) -> str | None:
-    """The family's reason AutoEP cannot compute ``block`` with its current tensors, or None.
-
-    For :attr:`FamilyFacts.unsupported_unless_zero`: the reason, with the tensor's largest
-    magnitude, when that tensor of the block is not all zeros. Reads the tensor (a buffer: never
-    partitioned by ZeRO-3); imports nothing.
-    """
-    facts = FAMILY_FACTS.get(str(getattr(config, "model_type", "")))
-    if facts is None or facts.unsupported_unless_zero is None:
-        return None
-    name, reason = facts.unsupported_unless_zero
-    try:
-        tensor = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
-        tensor = getattr(tensor, name.rsplit(".", 1)[-1])
-    except AttributeError:
-        return None
-    if tensor is None or tensor.numel() == 0 or getattr(tensor, "is_meta", False) or not bool(tensor.detach().any()):
-        return None  # zero, or not readable (meta device): the conversion probe decides on the real values
-    return f"{reason}; here {name} is non-zero (max |value| {float(tensor.detach().abs().max()):.3g})"
 
 
 #: Config attributes of blocks that multiply their input by random noise in training only
