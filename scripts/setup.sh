@@ -4,16 +4,20 @@
 #   bash scripts/setup.sh test   # ... + the test extra
 # torch comes first: a bare `pip install torch` (or deepspeed pulling it in) fetches a multi-GB CUDA
 # build even on machines without a GPU. Override with TORCH_SPEC / TORCH_INDEX_URL.
-# 2.13.0 is the newest torch the whole suite passed on. 2.15.0 (PyPI's CUDA wheel, several GB, also
-# runs on CPU) passed the private-API check and every MoE type's 2-rank parity run, but its whole
-# suite had not finished (lightning_zeromoe/compat.py TESTED_VERSIONS): GPU machines move to it once
-# it has. CPU machines (CI) keep the CPU build, which a PyPI 2.15.0 is not.
+# Which torch: on a GPU machine the newest release tested with this project (2.15.0,
+# lightning_zeromoe/compat.py TESTED_VERSIONS), its CUDA build from PyPI. On a CPU machine (CI
+# included) 2.13.0, also tested, as a CPU build: a local wheel where pip finds one, else PyTorch's CPU
+# index. PyPI's 2.15.0 is a CUDA build of several GB (it runs on CPU too): a large download for nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="hf"
 [ "${1:-}" = "test" ] && extras="hf,test"
 PY=${PYTHON:-python3}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  TORCH_SPEC=${TORCH_SPEC:-torch==2.15.0}
+else
+  TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
