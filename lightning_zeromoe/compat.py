@@ -44,7 +44,7 @@ TESTED_VERSIONS = (
     TestedVersion("transformers", "5.24.0", "tested", "the whole suite (1109 passed, 24 min 45 s, commit 066bf11)",
                   "README"),
     TestedVersion("transformers", "5.25.0", "tested", "tests/test_hf_coverage.py (every MoE type of 5.25 at 2-rank "
-                  "parity, exported, from_pretrained) and the whole suite under torch 2.15.0 (see below)",
+                  "parity, exported, from_pretrained) and the whole suite under torch 2.15.0 (below)",
                   "issue 34; transformers 5.25 requires the `kernels` package (0.19.x), which pip installs with it"),
     TestedVersion("torch", "2.13.0", "tested", "the whole suite (CPU build, the local wheel scripts/setup.sh "
                   "installs on CPU machines); tests/test_private_api.py", "README, issue 34"),
