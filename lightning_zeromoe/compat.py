@@ -16,8 +16,51 @@ CHECKED_AGAINST = {
     "deepspeed": "0.19.8",
     "lightning": "2.6.6",
     "torch": "2.13.0",
-    "transformers": "5.24.0",
+    "transformers": "5.25.0",
 }
+
+
+
+class TestedVersion(NamedTuple):
+    """One release of a dependency and what was run on it (the docs' compatibility table reads these)."""
+
+    package: str
+    version: str
+    #: "tested": what ``run`` says passed; "failing": ``evidence`` names the failing call; "partial":
+    #: what ``run`` names passed, the whole suite was not completed on it (``evidence`` says how far).
+    status: str
+    run: str
+    evidence: str
+
+
+#: Releases measured with this project (deepspeed 0.19.8, lightning 2.6.6, Python 3.11, CPU, 2 ranks).
+#: The ``hf`` extra's cap in pyproject.toml admits the newest tested transformers and nothing newer
+#: (tests/test_compat.py holds the two together).
+TESTED_VERSIONS = (
+    TestedVersion("transformers", "5.17.0", "tested", "CI floor smoke run (.ci/run): mixtral and qwen3_moe in "
+                  "tests/test_hf_coverage.py, tests/test_output_capture_shim.py", "the extras' floor"),
+    TestedVersion("transformers", "5.22.2", "tested", "the whole suite", "README, issue 9"),
+    TestedVersion("transformers", "5.23.0", "tested", "the whole suite", "compat.KNOWN_BAD_COMBINATIONS shim"),
+    TestedVersion("transformers", "5.24.0", "tested", "the whole suite (1109 passed, 24 min 45 s, commit 066bf11)",
+                  "README"),
+    TestedVersion("transformers", "5.25.0", "tested", "tests/test_hf_coverage.py (every MoE type of 5.25 at 2-rank "
+                  "parity, exported, from_pretrained) and the whole suite under torch 2.15.0 (below)",
+                  "issue 34; transformers 5.25 requires the `kernels` package (0.19.x), which pip installs with it"),
+    TestedVersion("torch", "2.13.0", "tested", "the whole suite (CPU build, the local wheel scripts/setup.sh "
+                  "installs on CPU machines); tests/test_private_api.py", "README, issue 34"),
+    TestedVersion("torch", "2.15.0", "tested", "the whole suite on PyPI's wheel (2.15.0+cu132, a CUDA build, run on "
+                  "CPU with deepspeed 0.19.8, lightning 2.6.6, transformers 5.25.0) at commit cbd4c20: 1103 passed, "
+                  "7 failed, 4 skipped, 1 xfailed in 52 min 10 s (niced, shared 2 cores); each failure fixed on the "
+                  "issue-34 branch and rerun passing on 2.15.0; tests/test_private_api.py 4 passed",
+                  "issue 34, 2026-12-05. The failures: a CUDA build without a GPU names cuda as "
+                  "torch.accelerator.current_accelerator() (collectives._accelerator_type asked it; RuntimeError "
+                  "'Found no NVIDIA driver' in torch.cuda.current_device()); the doctor failed cuda.match (torch CUDA "
+                  "13.2 vs nvcc 13.0) on a machine without a GPU; tests expected torch 2.13's report line and the "
+                  "CPU build's .cuda() message; torch 2.15 replaced FileBaton in cpp_extension._jit_compile by an OS "
+                  "advisory lock (stale-extension-lock claim: 'baton.wait()' not in its source); hf_semantics.py "
+                  "over 400 lines (the branch's own); test_doctor.py::test_ctrl_c_kills_the_probe timed out under "
+                  "load and passes alone"),
+)
 
 #: The earliest DeepSpeed with AutoEP under ZeRO-3 that this project is tested against.
 MIN_DEEPSPEED = "0.19.8"
@@ -74,7 +117,7 @@ KNOWN_BAD_COMBINATIONS = (
         entry="autoep-transformers-5.23",
         fix_id="pin-transformers",
         handled_by="ZeroMoEStrategy runs deepspeed.initialize inside autoep_output_capture_shim "
-        "(lightning_zeromoe/_private/deepspeed.py); 5.23.0 and 5.24.0 were measured to train under it",
+        "(lightning_zeromoe/_private/deepspeed.py); 5.23.0, 5.24.0 and 5.25.0 were measured to train under it",
     ),
 )
 
@@ -95,7 +138,8 @@ ENV_FACTS = {
         "Where JIT-built ops are cached (default $XDG_CACHE_HOME or ~/.cache, then "
         "torch_extensions/py311_cpu or py311_cuXYZ, one folder per op: torch/utils/cpp_extension.py "
         "_get_build_directory). A 'lock' file left in an op's folder by a killed build makes the "
-        "next build wait forever."),
+        "next build wait forever with torch <= 2.14 (FileBaton); torch 2.15 holds an OS advisory lock "
+        "there instead, which the kernel releases when the holder dies."),
 }
 
 

@@ -144,6 +144,11 @@ def compat_table() -> str:
             continue  # the same package in another extra: one row, every place it is declared
         where = ", ".join(seen[req.name])
         out.append(f"| {req.name} | `{req.spec}` | {where} | {checked.get(req.name, '')} |")
+    out += ["", "Releases run with this project (`compat.TESTED_VERSIONS`; deepspeed 0.19.8, lightning 2.6.6, Python "
+            "3.11, CPU ranks):", "", "| package | version | status | what ran | evidence |", "|---|---|---|---|---|"]
+    for tested in compat.TESTED_VERSIONS:
+        out.append(f"| {tested.package} | {tested.version} | {tested.status} | {md_text(tested.run)} "
+                   f"| {md_text(tested.evidence)} |")
     out += ["", "Known-bad combinations (`compat.KNOWN_BAD_COMBINATIONS`; `troubleshooter doctor` checks them):", "",
             "| combination | symptom | knowledge base | handled by lightning_zeromoe |", "|---|---|---|---|"]
     for combo in compat.KNOWN_BAD_COMBINATIONS:

@@ -4,9 +4,17 @@
 # machines without a GPU. Used by scripts/setup.sh (the repository's .venv) and scripts/wheel_check.sh
 # (a fresh venv for the built wheel). Override with TORCH_SPEC / TORCH_INDEX_URL.
 #   bash scripts/install_torch.sh VENV/bin/python
+# Which torch: on a GPU machine the newest release tested with this project (2.15.0,
+# lightning_zeromoe/compat.py TESTED_VERSIONS), its CUDA build from PyPI. On a CPU machine (CI
+# included) 2.13.0, also tested, as a CPU build: a local wheel where pip finds one, else PyTorch's CPU
+# index. PyPI's 2.15.0 is a CUDA build of several GB (it runs on CPU too): a large download for nothing.
 set -euo pipefail
 VPY=$1
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  TORCH_SPEC=${TORCH_SPEC:-torch==2.15.0}
+else
+  TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+fi
 pip() { "$VPY" -m pip "$@"; }
 
 if "$VPY" -c "import torch" 2>/dev/null; then

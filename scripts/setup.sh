@@ -4,6 +4,7 @@
 #   bash scripts/setup.sh test   # ... + the test and docs extras
 # torch comes first: a bare `pip install torch` (or deepspeed pulling it in) fetches a multi-GB CUDA
 # build even on machines without a GPU. Override with TORCH_SPEC / TORCH_INDEX_URL.
+# Which torch: scripts/install_torch.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="hf"

@@ -79,6 +79,18 @@ def test_no_backend_follows_the_accelerator_like_torch_does():
                            backend_capability={})
 
 
+def test_a_cuda_build_without_a_gpu_has_no_accelerator(monkeypatch):
+    """torch's CUDA wheel on a CPU machine (2.15.0+cu132 from PyPI, measured here): ``current_accelerator()``
+    says ``cuda`` although ``is_available()`` is False, and the two-rank gloo job of this module then
+    died in ``torch.cuda.current_device()`` ("Found no NVIDIA driver"). The two answers of that build
+    are put on whatever torch runs this test (the CPU build answers None by itself)."""
+    from lightning_zeromoe.engine import collectives
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert collectives._accelerator_type() is None
+
+
 def test_other_backends_use_torch_registry_of_devices():
     # Habana registers hccl as the hpu default; oneCCL declares cpu and xpu.
     registry = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}

@@ -45,3 +45,19 @@ def test_version_tuple_orders_releases():
     assert compat.version_tuple("5.23.0.dev0") == (5, 23, 0)
     assert compat.version_tuple("2.13.0+cpu") == (2, 13, 0)
     assert compat.version_tuple("5.22.2") < compat.version_tuple("5.23.0")
+
+
+def test_the_hf_cap_admits_the_newest_tested_transformers_and_nothing_newer():
+    """pyproject's ``hf`` and ``test`` extras: ``transformers>=<floor>,<<next minor>>`` where the floor
+    and the newest release are the oldest and newest in ``compat.TESTED_VERSIONS``."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    specs = re.findall(r'"transformers>=([\d.]+),<([\d.]+)"', text)
+    tested = sorted(compat.version_tuple(v.version) for v in compat.TESTED_VERSIONS
+                    if v.package == "transformers" and v.status == "tested")
+    assert len(specs) == 2 and len(set(specs)) == 1, specs  # hf and test agree
+    floor, cap = (compat.version_tuple(v) for v in specs[0])
+    assert floor == tested[0][:len(floor)] and cap == (tested[-1][0], tested[-1][1] + 1), (specs, tested)
+    assert compat.CHECKED_AGAINST["transformers"] == ".".join(map(str, tested[-1]))

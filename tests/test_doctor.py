@@ -256,6 +256,18 @@ def test_cuda_version_rule(tmp_path, torch_cuda, nvcc, skip_check, status, via_c
     assert code == (1 if status == "fail" else 0)
 
 
+def test_cuda_mismatch_without_a_gpu_warns_since_deepspeed_uses_its_cpu_accelerator(tmp_path):
+    """PyPI's CUDA wheel on a CPU machine (torch 2.15.0+cu132 against nvcc 13.0, measured here): no
+    GPU, so DeepSpeed builds no CUDA op; the mismatch is a warning with its fix, not a failure."""
+    fake_nvcc(tmp_path / "cuda", "13.0")
+    env = clean_env(PATH=path_with(tmp_path / "cuda" / "bin"),
+                    PYTHONPATH=str(fake_torch(tmp_path / "py", "13.2", gpus=0)))
+    code, payload = run_here(env, only=("cuda",))
+    match = by_id(payload)["cuda.match"]
+    assert match["status"] == "warn" and "no GPU is visible" in match["found"] and match["fix_id"], match
+    assert code == 0
+
+
 def test_cuda_home_wins_over_path_like_torch(tmp_path):
     """torch's rule: $CUDA_HOME/bin/nvcc is used even when another nvcc is first on PATH."""
     fake_nvcc(tmp_path / "on_path", "11.8")
@@ -729,9 +741,10 @@ def test_report_is_one_markdown_block_with_the_facts_and_no_secret(tmp_path):
     proc = subprocess.run([*CLI, "--report", "--only", "versions,cuda,env,nccl,host"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     out = proc.stdout
+    from importlib import metadata
     assert out.startswith("<!--") and out.count("<details") == 1 and out.rstrip().endswith("</details>")
     for needle in ("glibc", "kernel", "gcc", "numa", "cpu", "driver (nvidia-smi)", "torch CUDA",
-                   "deepspeed: 0.19.8 (", "torch: 2.13", "compiled with: torch", "lightning-zeromoe",
+                   "deepspeed: 0.19.8 (", f"torch: {metadata.version('torch')}", "compiled with: torch", "lightning-zeromoe",
                    "PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True", "PYTORCH_ALLOC_CONF: (not set)",
                    "NCCL_SOCKET_IFNAME: eth0", "| OK | Python |", "| OK | deepspeed version |"):
         assert needle in out, needle

@@ -2,7 +2,8 @@
 
 One ``torchrun --nproc_per_node 2`` launch of ``tests/jobs/hf_zoo_parity.py`` trains every family
 of ``tests/support/hf_zoo.py`` (one Trainer per family, real DeepSpeed ZeRO-3 on 2 CPU ranks, AutoEP where
-the setup-time probe allows it) and replays each rank's batches on a plain single-process copy.
+the setup-time probe allows it) and replays each rank's batches on a plain single-process copy
+(``type+variant`` rows, e.g. ``kolibri1_1+zero_bias``, are a family built another way: ``hf_zoo.VARIANTS``).
 The assertions: no family errors; per step and per rank, the loss (and the aux loss where HF
 computes one) equals the plain run's; the blocks AutoEP replaced are exactly the ones discovery
 kept for EP, and every other MoE block is a ZeRO-3 leaf module; every family's trained model,

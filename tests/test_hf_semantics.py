@@ -67,6 +67,8 @@ def test_probe_catches_route_norm_opposite_to_the_config(arch: str) -> None:
     assert not bad.passed and bad.output_error is not None and bad.output_error > 100 * bad.tolerance, bad
     message = bad.message(wrong.autoep)
     assert message.startswith(f"[{ENTRY_ID}] net.model.layers.") and "output differs by" in message
+    # norm_topk_prob flipped: the same experts, other weights, and the message says which part
+    assert "first difference: the combine weights (same experts" in message
     assert "without expert parallelism" in message and f"route_norm={not found.autoep['route_norm']}" in message
     narrowed, checks = check_conversion(root, wrong)
     assert not narrowed.blocks and {b.path for b in narrowed.fallback} == {b.path for b in found.blocks}
@@ -81,7 +83,9 @@ def test_probe_catches_llama4_score_apply() -> None:
     found = discover(root)
     assert found.autoep["score_apply"] == "pre" and check_block(root, found.blocks[0], found).passed
     wrong = dataclasses.replace(found, autoep={**found.autoep, "score_apply": "post"})
-    assert not check_block(root, wrong.blocks[0], wrong).passed
+    bad = check_block(root, wrong.blocks[0], wrong)
+    # its router returns dense [T, E] scores: read as the choice and weights, which agree
+    assert not bad.passed and "first difference: the expert outputs" in bad.detail, bad.detail
 
 
 def test_one_failing_block_narrows_the_pattern_to_the_others() -> None:
@@ -220,3 +224,114 @@ def test_dots3_routes_with_sigmoid_as_deepseek_v3() -> None:
     default made the probe fail by 0.06."""
     routing = routing_from_config(build("dots3_note_text").config)
     assert not isinstance(routing, str) and routing.score_func == "sigmoid"
+
+
+def _needs(arch: str) -> pytest.MarkDecorator:
+    from support.hf_zoo import ARCHS
+
+    return pytest.mark.skipif(arch not in ARCHS, reason=f"the installed transformers has no {arch} (5.25 added it)")
+
+
+@_needs("ergo")
+def test_ergo_falls_back_for_its_ungated_normed_experts_which_its_block_really_has() -> None:
+    """Ergo's reason names what its block computes; the block is checked for exactly that: the
+    router is found (``gate.linear``, not the experts' ``[E, H]`` norm weight), the experts hold
+    only ``up_proj``/``down_proj`` (no gate), and one route through expert e computes
+    ``rms_norm(relu(x @ up[e])^2 @ down[e]) * post_expert_norm.weight[e]``."""
+    root = _Holder(build("ergo"))
+    net = root.net
+    found = discover(root)
+    assert not found.blocks and found.fallback
+    for block in found.fallback:
+        assert "ungated (up_proj -> relu2 -> down_proj" in block.reason and "post_expert_norm" in block.reason
+        assert "3-D" not in block.reason
+        assert block.layout.router_weight == "gate.linear.weight"
+    experts = root.get_submodule(found.fallback[0].path).experts
+    three_d = sorted(n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3)
+    assert three_d == ["down_proj", "up_proj"]  # ungated: no gate_proj / gate_up_proj
+    e, hidden = 3, net.config.hidden_size
+    assert tuple(experts.post_expert_norm.weight.shape) == (net.config.num_experts, hidden)
+    with torch.no_grad():
+        experts.post_expert_norm.weight.uniform_(0.5, 2.0)
+        x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(0))
+        got = experts(x, torch.full((5, 1), e), torch.ones(5, 1))
+        mlp = torch.relu(x @ experts.up_proj[e]).square() @ experts.down_proj[e]
+        want = nn.functional.rms_norm(mlp, (hidden,), eps=experts.post_expert_norm.eps) * \
+            experts.post_expert_norm.weight[e]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@_needs("kolibri1_1")
+def test_kolibri1_1_converts_with_a_zero_bias_and_falls_back_with_a_non_zero_one() -> None:
+    """Its router takes the top-k of ``logits + e_score_correction_bias`` (AutoEP: of ``sigmoid +
+    bias``): with the tiny model's non-zero bias the two choices differ on real tokens, and the
+    block falls back naming the bias; at zero (a model from its config) they are one rule, and the
+    probe proves the conversion."""
+    net = build("kolibri1_1")
+    found = discover(net)
+    assert not found.blocks and len(found.fallback) == 2
+    assert all("e_score_correction_bias is non-zero" in b.reason for b in found.fallback), found.fallback
+    gate = net.get_submodule(found.fallback[0].path).gate
+    x = torch.randn(64, net.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))  # trained, not its zero init
+        logits, _, chosen = gate(x)
+        k = net.config.num_experts_per_tok
+        own = (logits + gate.e_score_correction_bias).topk(k).indices.sort(-1).values
+        assert torch.equal(chosen.sort(-1).values, own)
+        autoep = (logits.sigmoid() + gate.e_score_correction_bias).topk(k).indices.sort(-1).values
+        assert not torch.equal(chosen.sort(-1).values, autoep)
+        for name, buf in net.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    root = _Holder(net)
+    found = discover(root)
+    assert len(found.blocks) == 2 and found.autoep["score_func"] == "sigmoid"
+    assert found.autoep["route_norm"] is net.config.norm_topk_prob
+    assert check_block(root, found.blocks[0], found).passed
+
+
+@_needs("minicpm5_moe")
+def test_minicpm5_moe_routes_as_deepseek_v3_scaled_and_the_probe_agrees() -> None:
+    net = build("minicpm5_moe")
+    root = _Holder(net)
+    found = discover(root)
+    assert found.blocks and not found.fallback
+    assert (found.autoep["score_func"], found.autoep["route_norm"], found.autoep["routed_scaling_factor"]) == \
+        ("sigmoid", True, net.config.routed_scaling_factor)
+    assert found.autoep["shared_experts_pattern"] == "shared_experts"
+    assert all(check_block(root, b, found).passed for b in found.blocks)
+
+
+@pytest.mark.parametrize("arch, key, value, part", [
+    ("deepseek_v3", "routed_scaling_factor", 1.0, "the combine weights (same experts"),  # config says 2.5
+    ("glm4_moe", "top_k", 1, "the top-k choice (the original picks 2 experts, AutoEP 1)"),
+    ("mixtral", "expert_activation", "geglu_tanh", "the expert outputs (router scores, top-k choice and combine")])
+def test_a_failed_probe_names_the_first_differing_part(arch: str, key: str, value: object, part: str) -> None:
+    """One routing field set wrong in the section: the probe's message names the part that differs."""
+    root = _Holder(build(arch))
+    found = discover(root)
+    wrong = dataclasses.replace(found, autoep={**found.autoep, key: value})
+    bad = check_block(root, wrong.blocks[0], wrong)
+    assert not bad.passed and f"first difference: {part}" in bad.message(wrong.autoep), bad.detail
+
+
+@_needs("kolibri1_1")
+def test_a_failed_probe_names_the_top_k_choice_with_the_tokens_that_differ() -> None:
+    """Kolibri-1.1 converted for its zero bias, then given a non-zero one (as training with
+    aux-loss-free balancing elsewhere would): its choice top-k(logits + bias) is not AutoEP's."""
+    net = build("kolibri1_1")
+    with torch.no_grad():
+        for name, buf in net.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    root = _Holder(net)
+    found = discover(root)
+    block = root.get_submodule(found.blocks[0].path)
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+        block.gate.e_score_correction_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    bad = check_block(root, found.blocks[0], found)
+    assert not bad.passed
+    assert re.search(r"first difference: the top-k choice \(which experts\): \d+ of \d+ tokens go to other experts",
+                     bad.detail), bad.detail

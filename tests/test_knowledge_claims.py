@@ -490,6 +490,12 @@ def test_a_waiting_jit_build_prints_nothing_until_the_lock_goes():
     from torch.utils.file_baton import FileBaton
 
     jit = inspect.getsource(cpp._jit_compile)
+    if "baton.wait()" not in jit:  # torch 2.15: an OS advisory lock, released when its holder dies
+        assert "FileLock(os.path.join(build_directory, 'lock'))" in jit and "FileBaton(" not in jit
+        from lightning_zeromoe import knowledge
+
+        assert "torch 2.15.0 no longer does" in knowledge.get("stale-extension-lock").checked_against
+        return
     wait, loading = jit.index("baton.wait()"), jit.index("Loading extension module %s...")
     assert wait < loading and "Emitting ninja build file" not in jit[wait:]
     assert "timeout" not in inspect.getsource(FileBaton.wait).lower()

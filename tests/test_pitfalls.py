@@ -118,7 +118,11 @@ def test_raw_moves_in_forward_fail_obscurely_or_detach(raw):
         assert half["param_data"] == "torch.float16/cpu" and half["partition"] == "torch.float32/cpu"
         meta = moves["to('meta',)"]
         assert not meta["completed"] and not meta["still_zero_param"] and "ds_status" in meta["error"]
-        assert not moves["cuda()"]["completed"] and "not compiled with CUDA" in moves["cuda()"]["error"]
+        # torch's own message: a CPU build "Torch not compiled with CUDA enabled"; a CUDA build without a
+        # GPU (PyPI's torch 2.15.0+cu132 on this machine) "Found no NVIDIA driver on your system"
+        cuda = moves["cuda()"]
+        assert not cuda["completed"] and any(m in cuda["error"] for m in ("not compiled with CUDA",
+                                                                           "Found no NVIDIA driver")), cuda
         assert not any("ZeRO" in m.get("error", "") for m in moves.values())
 
 

@@ -268,3 +268,19 @@ def test_ep_size_auto_on_the_strategy(caplog):
     times = {e: plan(module, num_gpus=2, ep_size=e, gpu_memory_bytes=memory, precision=precision).step_times[LADDER[2]]
              .total for e in (1, 2)}
     assert fixed.resolved.ep_size == min(times, key=lambda e: (times[e], e))
+
+
+def test_ep_size_auto_keeps_every_expert_group_on_one_node_when_few_divisors_are_shared():
+    """160 experts (MiniCPM5-MoE) on 40 GPUs of 8 per node: 5 divides both, but groups of 5
+    consecutive ranks (5-9, ...) cross nodes, so it is no candidate; 384 experts (Kolibri-1.1) on 24
+    GPUs: neither 3 nor 6 (ranks 6-8, 6-11). Measured before the fix: [1, 2, 4, 5, 8] and
+    [1, 2, 3, 4, 6, 8] were the candidates."""
+    for experts, world, candidates in ((160, 40, [1, 2, 4, 8]), (384, 24, [1, 2, 4, 8]), (384, 12, [1, 2, 3, 6])):
+        per_node = 8 if world != 12 else 6
+        counts = ParamCounts((10**8,), (experts * 10**6,))
+        common = dict(counts=counts, top_k=6, hidden_size=1024, num_layers=4, num_heads=8,
+                      ffn_hidden_size=4096, vocab_size=32000, micro_batch=1, seq_len=1024, bucket_elements=0)
+        for stage in (None, 3):
+            ep, why = choose_ep_size(None, [experts], world, per_node, 80 * GB, stage=stage, **common)
+            assert experts % ep == 0 and world % ep == 0 and ep in candidates, (experts, world, ep)
+            assert f"from ep_size in {candidates}" in why or f"from {candidates}" in why, why

@@ -36,8 +36,9 @@ from torch import nn
 from lightning_zeromoe.config.schema import DeepSpeedConfig
 from lightning_zeromoe.engine import collectives
 from lightning_zeromoe.discovery.block_probe import gathered
+from lightning_zeromoe.conversion.diagnose import diagnose
 from lightning_zeromoe.conversion.probe import (ProbeError, Side, expert_weight_names, output_of, parameter_name,
-                                                probe, recorded_by)
+                                                probe, probe_input, recorded_by)
 from lightning_zeromoe.discovery.find import Discovery, MoEBlock
 from lightning_zeromoe.discovery.structure import SCORE_BIAS
 from lightning_zeromoe.conversion import flat_repack
@@ -193,9 +194,23 @@ def check_block(root: nn.Module, block_info: MoEBlock, found: Discovery, *, sect
             except ProbeError as err:
                 what = "cannot be probed" if err.side == "the original block" else "fails on it"
                 return refused(f"{err.side} {what}: {err.error}")
+            where = ""
+            if any(not e <= tol for e in report.errors.values()) and report.output_scale > 0:
+                where = _first_difference(original, converted, report, block_info, spec, hidden, seed, device)
     finally:
         _release(layer)
-    return _verdict(block_info.path, report, tol)
+    return _verdict(block_info.path, report, tol, where)
+
+
+def _first_difference(original: Side, converted: Side, report: ProbeReport, block_info: MoEBlock, spec: Any,
+                      hidden: int, seed: int, device: torch.device) -> str:
+    """Which part differs (:mod:`lightning_zeromoe.conversion.diagnose`), or why that could not be told."""
+    router = block_info.layout.router if block_info.layout is not None else spec.router_name
+    try:
+        return diagnose(original, converted, probe_input(report.tokens, hidden, seed, device), original_router=router,
+                        num_experts=report.num_experts, seed=seed)
+    except Exception as err:  # noqa: BLE001 - the verdict stands without it
+        return f"the differing part could not be told ({type(err).__name__}: {err})"
 
 
 def _own_expert_weights(block: nn.Module, block_info: MoEBlock, experts: str, num_experts: int) -> tuple[str, ...]:
@@ -212,8 +227,9 @@ def _counts(layer: nn.Module) -> torch.Tensor | None:
     return None if counts is None else counts.detach().clone()
 
 
-def _verdict(path: str, report: ProbeReport, tol: float) -> BlockCheck:
-    """Pass or fail from what the probe measured, with one clause per problem."""
+def _verdict(path: str, report: ProbeReport, tol: float, where: str = "") -> BlockCheck:
+    """Pass or fail from what the probe measured, with one clause per problem; ``where``: which part
+    differs (:func:`lightning_zeromoe.conversion.diagnose.first_difference`), said first."""
     if not report.output_scale > 0:
         return BlockCheck(path, False, None, None, tol, "the original block outputs zeros on the probe, so the "
                           "probe proves nothing", report=report)
@@ -234,6 +250,8 @@ def _verdict(path: str, report: ProbeReport, tol: float) -> BlockCheck:
     if report.grouped == "failed":
         worst = ", ".join(f"{k} {e:.3g} > {b:.3g}" for k, (e, b) in report.grouped_errors.items() if e > b)
         problems.append(f"the grouped-GEMM expert path training uses differs ({worst})")
+    if problems and where:
+        problems.insert(0, where)
     return BlockCheck(path, not problems, report.errors.get("output"), report.errors.get("logits"), tol,
                       "; ".join(problems), report.original_is_tuple, report)
 

@@ -223,6 +223,11 @@ def _randn(shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Ten
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device)
 
 
+def probe_input(tokens: int, hidden: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The block input a probe of ``tokens`` tokens ran on (two sequences)."""
+    return _randn((2, tokens // 2, hidden), seed, device)
+
+
 def probe(original: Side, converted: Side, *, hidden: int, num_experts: int, top_k: int, model_dtype: torch.dtype,
           device: torch.device, grouped: bool, tokens: int | None = None, seed: int = 1234,
           tokens_per_expert: Callable[[], torch.Tensor | None] = lambda: None,
@@ -237,7 +242,7 @@ def probe(original: Side, converted: Side, *, hidden: int, num_experts: int, top
     cdtype = COMPUTE_DTYPE
     count, grown = tokens or probe_tokens(num_experts, top_k), False
     while True:
-        x = _randn((2, count // 2, hidden), seed, device)
+        x = probe_input(count, hidden, seed, device)
         upstream = _randn((2, count // 2, hidden), seed + 1, device)
         logits_up = _randn((count * num_experts,), seed + 2, device)  # used where the logits have that size
         try:

@@ -23,6 +23,7 @@ from lightning_zeromoe.discovery.result import (NUM_EXPERTS_FROM_ROUTER, Discove
                                                blocks_matching, config_holder, join, num_experts_of, one_kind,
                                                prefix_pattern)
 from lightning_zeromoe.discovery.hf_semantics import Routing, routing_from_config, text_config, training_only_difference
+from lightning_zeromoe.discovery.tensor_conditions import weights_difference
 from lightning_zeromoe.discovery.structure import BlockLayout, analyse_block, expected_num_experts, find_blocks
 from lightning_zeromoe.knowledge import say
 
@@ -61,6 +62,8 @@ def from_hf_structure(root: nn.Module) -> Discovery | None:
             routing = dataclasses.replace(routing, expert_activation=layout.expert_activation)
         # The family's own reason (e.g. LongCat's zero experts) says more than the structural one.
         reason = (routing if isinstance(routing, str) else None) or layout.unsupported
+        if reason is None:
+            reason = weights_difference(tconfig, root.get_submodule(layout.path))
         if reason is None and routing.num_expert_groups and routing.group_score_func != "top2_sum":
             reason = (f"its group-limited routing scores groups by '{routing.group_score_func}'; AutoEP's config "
                       "selects only top2_sum")

@@ -32,7 +32,9 @@ class FamilyFacts:
     ``unsupported_when``: ``(config attribute, reason)`` pairs for options of the family that AutoEP
     cannot express; the reason applies when the config sets that attribute to a true or non-zero
     value. ``expert_activation``: AutoEP's name for the experts' activation, where it is not plain
-    SwiGLU (a name in ``deepspeed.moe.ep_experts.EXPERT_ACTIVATIONS``).
+    SwiGLU (a name in ``deepspeed.moe.ep_experts.EXPERT_ACTIVATIONS``). ``unsupported_unless_zero``:
+    ``(block tensor, reason)``: the reason applies unless that tensor of the block is all zeros
+    (read from the model by :func:`lightning_zeromoe.discovery.tensor_conditions.weights_difference`).
     """
 
     score_func: str = "softmax"
@@ -42,12 +44,17 @@ class FamilyFacts:
     unsupported: str | None = None
     unsupported_when: tuple[tuple[str, str], ...] = ()
     expert_activation: str | None = None
+    unsupported_unless_zero: tuple[str, str] | None = None
 
 
 INKLING2_EXPERTS = ("Inkling2's experts compute c_g*tanh(gate/c_g) * sigmoid(gate) * c_u*tanh(up/c_u) (a SwiGLU "
                     "softcapped by tanh, config.mlp_gate_softcap/mlp_up_softcap); AutoEP 0.19.8's expert "
                     "activations (swiglu, geglu_tanh, swiglu_clamped, swiglu_oai) clamp or do not bound at all; tanh is "
                     "nearly linear near 0, so on the tiny test model the probe measured only a 0.006 relative gap")
+
+KOLIBRI = ("Kolibri-1 and -1.1 add their e_score_correction_bias to the raw router logits before the top-k "
+           "(AutoEP 0.19.8 adds it to the sigmoid scores), so with a non-zero bias the experts AutoEP would choose "
+           "differ (a zero bias, as in a model built from its config, converts)")
 
 #: Read from each family's router ``forward`` in transformers 5.22 (see the module docstring).
 FAMILY_FACTS: dict[str, FamilyFacts] = {
@@ -133,15 +140,29 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {
     "zaya": FamilyFacts(unsupported="ZAYA routes with an MLP (router.router_mlp) over a down-projected state carried "
                                     "from layer to layer, with an extra skip class, not with the single Linear "
                                     "router AutoEP 0.19.8 has"),
-    "kolibri1": FamilyFacts(unsupported="Kolibri-1 adds its e_score_correction_bias to the raw router logits "
-                                        "before the top-k (AutoEP 0.19.8 adds it to the sigmoid scores), so the "
-                                        "experts AutoEP would choose differ"),
+    # Kolibri-1 and Kolibri-1.1 (5.25, the same router): the top-k of logits + bias, weights sigmoid(logit) of the
+    # chosen, renormalised per norm_topk_prob. With a zero bias that is AutoEP's sigmoid router exactly (sigmoid
+    # is monotonic, so the top-k of the logits is the top-k of the scores); nothing in training updates the bias.
+    "kolibri1": FamilyFacts(score_func="sigmoid", unsupported_unless_zero=("gate.e_score_correction_bias", KOLIBRI)),
+    "kolibri1_1": FamilyFacts(score_func="sigmoid", unsupported_unless_zero=("gate.e_score_correction_bias",
+                                                                             KOLIBRI)),
+    # MiniCPM5-MoE (5.25): DeepSeek-V3's noaux_tc router (sigmoid, choice-only e_score_correction_bias,
+    # n_group/topk_group top2_sum groups, norm_topk_prob, routed_scaling_factor), ungated shared expert
+    "minicpm5_moe": FamilyFacts(score_func="sigmoid"),
+    # Param2-MoE (5.25): a config only; it builds Glm4MoeForCausalLM (the same router as glm4_moe)
+    "param2moe": FamilyFacts(score_func="sigmoid"),
+    "ergo": FamilyFacts(unsupported=(
+        "Ergo's experts are ungated (up_proj -> relu2 -> down_proj, no gate projection) and each expert's output "
+        "goes through its own RMSNorm (experts.post_expert_norm, weight [E, hidden]) before the combine weights; "
+        "AutoEP 0.19.8's experts are gated, act(gate) * up (swiglu, geglu_tanh, swiglu_clamped, swiglu_oai), and "
+        "end at the down projection")),
     "inkling_text": FamilyFacts(unsupported=(
         "Inkling's router also scores its shared experts (router weight [E + n_shared_experts, hidden]) and "
         "normalises their weights together with the top-k's (a softmax over logsigmoid, times a learned "
         "global_scale), so each shared expert is weighted per token; AutoEP 0.19.8 adds shared experts unweighted "
         "or behind a separate sigmoid gate")),
 }
+
 
 #: Config attributes of blocks that multiply their input by random noise in training only
 #: (Mixtral, MiniMax, MiniMax-M2, PhiMoE: ``hidden *= uniform(1 - j, 1 + j)`` when ``j > 0``).

@@ -103,8 +103,13 @@ def expected_num_experts(config: object) -> int | None:
 
 
 def _router_weight(block: nn.Module, num_experts: int | None) -> tuple[str, str, tuple[int, ...]] | None:
-    """The child whose weight is [E, H] (directly, or one level down as in ``gate.wg``)."""
-    for child_name, child in block.named_children():
+    """The child whose weight is [E, H] (directly, or one level down as in ``gate.wg``).
+
+    Children named like a router (``router``, ``gate``) are tried first: an experts module can hold
+    an ``[E, H]`` tensor of its own (Ergo's per-expert ``post_expert_norm.weight``) and come first.
+    """
+    children = sorted(block.named_children(), key=lambda c: not any(w in c[0] for w in ("router", "gate")))
+    for child_name, child in children:
         for rel, shape in weight_shapes(child):
             routerish = any(word in child_name for word in ("router", "gate"))
             # LongCat's router also scores its zero-computation experts: more rows than experts.

@@ -128,9 +128,17 @@ def device_for_backend(backend: str, tensor_device: torch.device | str | None = 
 
 
 def _accelerator_type() -> str | None:
-    """This machine's accelerator type (torch >= 2.6 ``torch.accelerator``), None when there is none."""
+    """This machine's accelerator type (torch >= 2.6 ``torch.accelerator``), None when there is none.
+
+    ``current_accelerator()`` names the type torch was *built* for: a CUDA build on a machine without
+    a GPU says ``cuda`` (measured: torch 2.15.0+cu132 from PyPI on a CPU machine, where
+    ``torch.cuda.current_device()`` then raises "Found no NVIDIA driver"), so availability is asked first.
+    """
     accel = getattr(torch, "accelerator", None)
     current = getattr(accel, "current_accelerator", None)
+    available = getattr(accel, "is_available", None)
+    if available is not None and not available():
+        return None
     if current is not None:
         device = current()
         return device.type if device is not None else None

@@ -1,7 +1,9 @@
 """``ep_size="auto"`` (and with ``stage="auto"``): the expert-parallel size chosen by predicted step time.
 
 Candidates are the divisors of the world size that divide every MoE layer's expert count, inside one
-node unless allowed otherwise; each is planned (:func:`lightning_zeromoe.planner.plan.plan`) and the
+node unless allowed otherwise (every expert group of ``ep_size`` consecutive ranks on one node: so
+``ep_size`` divides the node's device count, e.g. not 5 on 8-GPU nodes although 160 experts allow it);
+each is planned (:func:`lightning_zeromoe.planner.plan.plan`) and the
 fastest setup that fits wins. Pure module: no torch import.
 """
 
@@ -9,9 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_zeromoe.planner.links import spans_nodes
 from lightning_zeromoe.planner.plan import _gb, choose_stage, plan
 from lightning_zeromoe.planner.setups import LADDER
 from lightning_zeromoe.planner.step_time import format_seconds
+
+
+def _inside_nodes(ep_size: int, world_size: int, devices_per_node: int) -> bool:
+    """Whether every expert-parallel group (``ep_size`` consecutive ranks, as DeepSpeed builds them)
+    sits on one node: ``ep_size <= devices_per_node`` is not enough (ranks 5-9 of 8-GPU nodes)."""
+    return not spans_nodes("expert_parallel", world_size, ep_size, devices_per_node)
 
 
 def choose_setup(model: Any, world_size: int, devices_per_node: int, ep_sizes: list[int], device_memory_bytes: float,
@@ -21,7 +30,8 @@ def choose_setup(model: Any, world_size: int, devices_per_node: int, ep_sizes: l
     that fits over the candidate ``ep_sizes`` (those above ``devices_per_node`` only with
     ``allow_inter_node_ep``); ties: the lower stage, then the smaller ep_size. Falls back to
     :func:`choose_stage`'s answer at the largest candidate when nothing fits on the device."""
-    candidates = [e for e in ep_sizes if allow_inter_node_ep or e <= devices_per_node] or [min(ep_sizes)]
+    candidates = [e for e in ep_sizes if allow_inter_node_ep or _inside_nodes(e, world_size, devices_per_node)] \
+        or [min(ep_sizes)]
     found = []
     for ep in candidates:
         p = plan(model, num_gpus=world_size, gpus_per_node=devices_per_node, ep_size=ep,
@@ -48,7 +58,7 @@ def choose_ep_size(model: Any, num_experts: list[int], world_size: int, devices_
                    device_memory_bytes: float, precision: str = "bf16", stage: int | None = None,
                    allow_inter_node_ep: bool = False, **plan_kwargs: Any) -> tuple[int, str]:
     """For ``ZeroMoEStrategy(ep_size="auto")``: the ep_size, and why. Candidates: the divisors of the
-    world size that divide every MoE layer's expert count, at most ``devices_per_node`` (unless
+    world size that divide every MoE layer's expert count, whose groups stay inside one node (unless
     ``allow_inter_node_ep``). With ``stage=None`` (``stage="auto"`` too) the fastest on-device setup
     over all candidates (:func:`choose_setup`); with a stage, the candidate where that stage fits and
     is predicted fastest (ties: the smaller ep_size), else the one that needs the least memory."""
@@ -58,7 +68,7 @@ def choose_ep_size(model: Any, num_experts: list[int], world_size: int, devices_
         _, ep, why = choose_setup(model, world_size, devices_per_node, candidates, device_memory_bytes, precision,
                                   allow_inter_node_ep, **plan_kwargs)
         return ep, why
-    usable = [e for e in candidates if allow_inter_node_ep or e <= devices_per_node] or [1]
+    usable = [e for e in candidates if allow_inter_node_ep or _inside_nodes(e, world_size, devices_per_node)] or [1]
     setup = next((s for s in LADDER if s.stage == stage and not s.offload_optimizer), LADDER[0])
     rows = []
     for ep in usable:

@@ -1,4 +1,4 @@
-"""Tiny configs for the Hugging Face MoE causal-LM families in transformers 5.17 to 5.24 (no downloads).
+"""Tiny configs for the Hugging Face MoE causal-LM families in transformers 5.17 to 5.25 (no downloads).
 
 Every model: hidden 64, 2 decoder layers that are MoE (3 with a dense first layer where the
 family has one), 4 experts, top-2, vocab 128. ``build(model_type)`` returns the causal LM in
@@ -17,7 +17,7 @@ import torch
 VOCAB = 128
 
 #: The 27 families of issue 9 (measured on transformers 5.22), the other MoE causal-LM types
-#: transformers 5.22.2 registers (``moe_model_types()``), then those 5.23 and 5.24 added.
+#: transformers 5.22.2 registers (``moe_model_types()``), then those 5.23, 5.24 and 5.25 added.
 ALL_ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoeshared deepseek_v2 deepseek_v3 glm4_moe "
              "glm4_moe_lite dots1 ernie4_5_moe hunyuan_v1_moe phimoe jetmoe dbrx llama4_text flex_olmo lfm2_moe "
              "exaone_moe afmoe cohere2_moe minimax qwen3_next qwen3_5_moe_text longcat_flash "
@@ -25,13 +25,18 @@ ALL_ARCHS = ("mixtral qwen3_moe qwen2_moe olmoe gpt_oss granitemoe granitemoesha
              "granitemoehybrid hy_v3 hy_v4 inkling_text jamba kimi_linear kolibri1 laguna mellum mimo_v2_flash "
              "minimax_m2 minimax_m3_vl_text nemotron_h qwen4_exp_text solar_open zaya "
              "dots3_note_text inkling2_text "  # 5.23
-             "inkling2_loop_text lara_mini sarvam_mla sarvam_moe").split()  # 5.24
+             "inkling2_loop_text lara_mini sarvam_mla sarvam_moe "  # 5.24
+             "ergo kolibri1_1 minicpm5_moe param2moe kolibri1_1+zero_bias").split()  # 5.25
+
+#: ``type+variant`` entries: the family built another way. Kolibri-1.1 converts only while its
+#: e_score_correction_bias is zero (hf_semantics.KOLIBRI): as built from its config, before any training.
+VARIANTS = {"zero_bias": "its routing biases left at their zero initial values (the model as built from its config)"}
 
 
 def _registered(model_types: list[str]) -> tuple[str, ...]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    return tuple(t for t in model_types if t in CONFIG_MAPPING_NAMES)
+    return tuple(t for t in model_types if t.partition("+")[0] in CONFIG_MAPPING_NAMES)
 
 
 #: The families the installed transformers has (older releases lack the newer types).
@@ -125,6 +130,15 @@ _EXTRA: dict[str, dict[str, Any]] = {
                             shared_experts_intermediate_size=32),
     # Built as DeepSeek-V3 (MLA); a head_dim in the config would be read as its legacy format.
     "sarvam_mla": dict(_MLA, head_dim=None),
+    # transformers 5.25. Ergo: sliding + global attention, a dense first block, ungated relu2 experts.
+    "ergo": dict(num_hidden_layers=3, num_dense_blocks=1, first_dense_intermediate_size=96,
+                 shared_intermediate_size=32, sliding_window=4, global_attention_every_n_layers=2),
+    # Kolibri-1.1: its validator wants head_dim % 16 == 0 and index_num_heads <= heads / kv_heads; indexed
+    # (sparse) attention with a small candidate pool.
+    "kolibri1_1": dict(sliding_window=4, index_num_heads=2, index_topk=4, index_pool_size=32, index_compression=4,
+                       index_num_local_tokens=4, index_num_sink_tokens=2, mlp_only_intermediate_size=96),
+    # Param2-MoE builds Glm4MoeForCausalLM; a dense first layer by default.
+    "param2moe": dict(num_hidden_layers=3, first_k_dense_replace=1),
 }
 
 
@@ -157,9 +171,12 @@ def _has(config: Any, key: str) -> bool:
 
 
 def build(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """The family's causal LM from a tiny config, float32, eager attention, seeded."""
+    """The family's causal LM from a tiny config, float32, eager attention, seeded (``type+variant``:
+    see :data:`VARIANTS`)."""
     from transformers import AutoModelForCausalLM
 
+    model_type, _, variant = model_type.partition("+")
+    assert not variant or variant in VARIANTS, variant
     torch.manual_seed(seed)
     config = tiny_config(model_type)
     config._attn_implementation = "eager"
@@ -169,7 +186,7 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     from lightning_zeromoe.discovery.structure import ROUTING_TENSOR_NAMES
 
     with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        for name, tensor in [] if variant == "zero_bias" else [*model.named_parameters(), *model.named_buffers()]:
             if name.rsplit(".", 1)[-1] in ROUTING_TENSOR_NAMES and tensor.is_floating_point():
                 gen = torch.Generator().manual_seed(len(name) + 1000 * seed)
                 tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.5)

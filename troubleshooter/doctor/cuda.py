@@ -190,6 +190,11 @@ def match_result(toolkit: dict[str, Any], stage: dict[str, Any], env: Mapping[st
     tolerance = minor_tolerance()
     details["tolerance_table"] = {str(k): v for k, v in (tolerance or {}).items()}
     status, reason = compare(torch_cuda, release, tolerance, env.get("DS_SKIP_CUDA_CHECK", "0") == "1")
+    if status == "fail" and not stage.get("available"):
+        # A CUDA wheel on a machine without a GPU (PyPI's torch 2.15.0+cu132 here): DeepSpeed picks its
+        # CPU accelerator, whose op builders never run nvcc, so CPU training is not affected.
+        status, reason = "warn", (f"{reason}; no GPU is visible, so DeepSpeed runs its CPU accelerator here, "
+                                  "which builds no CUDA op: this matters once the machine trains on a GPU")
     advice = {} if status == "ok" else cite(
         knowledge.fix("cuda-version-mismatch", "match-toolkit"),
         torch=".".join(torch_cuda.split(".")[:2]), system=f"{release[0]}.{release[1]}")
