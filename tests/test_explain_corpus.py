@@ -50,6 +50,19 @@ def test_urls_are_unique_across_every_half() -> None:
     assert twice == [], f"threads used twice: {twice}"
 
 
+def test_no_sample_comes_from_a_thread_the_patterns_or_entries_cite() -> None:
+    """The texts the patterns were written from (fixtures) and the entries' sources stay out of the corpus."""
+    repo = Path(__file__).parents[1]
+    fixtures = repo / "tests" / "fixtures"
+    cited_in = [*(fixtures / "tracebacks").rglob("*"), *(fixtures / "benign").rglob("*"),
+                *(repo / "lightning_zeromoe" / "knowledge" / "entries").glob("*.toml")]
+    cited = {url.rstrip("/.,").lower() for path in cited_in if path.is_file()
+             for url in re.findall(r"https?://[^\s\"'<>)\]]+", path.read_text(encoding="utf-8", errors="replace"))}
+    assert cited, "no cited URL found: the check would pass vacuously"
+    reused = [s["file"] for s in SAMPLES if s["url"].rstrip("/").lower() in cited]
+    assert reused == [], f"samples from threads the fixtures or entries cite: {reused}"
+
+
 def test_every_sample_is_complete_and_sourced() -> None:
     for s in SAMPLES:
         missing = [f for f in FIELDS if not s.get(f)]
