@@ -17,9 +17,10 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    and zero-width spaces, HTML entities (``&gt;``, ``&#39;``);
 2. Markdown blocks: code fences dropped, block quotes (``> ``) and bullets (``- ``, ``* ``, ``1.``)
    stripped;
-3. prefixes: a host name shared by many lines (``node-3: ``), then ``[rankN]:``, ``[defaultN]:``,
-   ``N:``, with two ranks' lines de-interleaved (each rank's lines together, in their order); then
-   timestamps;
+3. prefixes: a timestamp a log collector put first, a host name shared by many lines
+   (``node-3: ``, its indentation kept), then ``[rankN]:``, ``[defaultN]:``, ``N:``, with two ranks'
+   lines de-interleaved (each rank's lines together, in their order); then timestamps again (the
+   library's own, after the rank prefix);
 4. error lines inside prose: ``... `RuntimeError: x` ...`` gets a line of its own starting with
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
@@ -27,7 +28,10 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    ``partition parameters.py``) gets its underscores back; a path split at a space is rejoined
    (:mod:`troubleshooter.identifiers`);
 6. wrapped messages: the continuation lines of an error line are appended to it;
-7. a line printed twice in a row (two ranks printing the same line) is kept once.
+7. two or three spaces inside a line (after its indentation) become one: a path or word a paste
+   (or a redaction) left two spaces before is still matched by a pattern written with one (wider
+   runs align columns and stay);
+8. a line printed twice in a row (two ranks printing the same line) is kept once.
 
 Normalising never removes information a pattern needs: ``explain`` matches the input as it is
 *and* its normalised form (:mod:`troubleshooter.decide`).
@@ -65,7 +69,7 @@ _BULLET_FIRST = frozenset("-*+\u20220123456789")
 _HTML_TAG = re.compile(r"</?(?:details|summary|pre|code|br|p|b|i|em|strong|kbd|sub|sup)\b[^>\n]{0,80}>", re.I)
 #: Rank prefixes torch, torchrun, srun -l and the DeepSpeed launcher put before a line.
 _RANK = re.compile(r"^\s*(?:\[(?:rank|default)(?P<a>\d{1,4})\]:|(?P<b>\d{1,4}): |\[RANK (?P<c>\d{1,4})\] )")
-_HOST = re.compile(r"^(?P<host>[A-Za-z][\w.-]{1,62}): (?=\S)")
+_HOST = re.compile(r"^(?P<host>[A-Za-z][\w.-]{1,62}): (?=\S| +\S)")  # a traceback keeps its indent
 _TIMESTAMP = re.compile(
     r"^\s*\[?(?:\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
     r"|\d{2}:\d{2}:\d{2}(?:[.,]\d+)?|[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2})\]?(?: *\|)?[ \t]")
@@ -289,7 +293,7 @@ def undo_inline_markdown(lines: list[_Line]) -> list[_Line]:
     return out
 
 
-# -- 6. wrapped messages, 7. lines printed twice -----------------------------------------------
+# -- 6. wrapped messages, 7. spaces, 8. lines printed twice ---------------------------------
 
 
 def _continues(prev: str, line: str) -> bool:
@@ -332,11 +336,23 @@ def drop_repeats(lines: list[_Line]) -> list[_Line]:
     return out
 
 
+_INNER_SPACES = re.compile(r"(?<=\S)(?: {2,3}|\t)(?=\S)")
+
+
+def squeeze_spaces(lines: list[_Line]) -> list[_Line]:
+    """Two or three spaces, or a tab, between two words of a line become one space (a paste's or
+    a redaction's slip). The indentation (which tells a traceback's code line from its frame line)
+    stays, and so do wider runs: they align columns (bash's ``12345 Killed      python ...``)."""
+    return [(no, _INNER_SPACES.sub(" ", line) if "  " in line or "\t" in line else line) for no, line in lines]
+
+
 _STEPS = (
-    ("characters", fix_characters), ("markdown", undo_markdown_blocks), ("hosts", strip_host_prefixes),
+    ("characters", fix_characters), ("markdown", undo_markdown_blocks),
+    ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
+    ("hosts", strip_host_prefixes),
     ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
     ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
-    ("repeats", drop_repeats),
+    ("spaces", squeeze_spaces), ("repeats", drop_repeats),
 )
 
 
@@ -354,7 +370,7 @@ def normalize(text: str, vocabulary: Iterable[str] = (), window: int | None = WI
     steps = []
     for name, step in _STEPS:
         after = repair_identifiers(lines, vocab) if step is None else step(lines)
-        if after != lines:
+        if after != lines and name not in steps:
             steps.append(name)
         lines = after
     lines = kept + lines
