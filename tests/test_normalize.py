@@ -23,6 +23,7 @@ from troubleshooter.normalize import (
     rejoin_wrapped,
     squeeze_spaces,
     strip_rank_prefixes,
+    unwrap_hard_wrapped,
 )
 
 TRACEBACKS = Path(__file__).parent / "fixtures" / "tracebacks"
@@ -240,3 +241,25 @@ def test_identifiers_are_repaired_only_in_their_own_case():
     assert normalize(text, vocab).text.splitlines() == [
         "set it in the DeepSpeed config", "param.ds_numel is 0", "[launch.py:428:sigkill_handler] Killing"]
     assert "sigkill_handler" in explain._vocabulary()  # an evidence term's identifier (cpu-oom's claim)
+
+
+def _cut_at(text: str, width: int) -> str:
+    """Every line cut at ``width`` characters, as a terminal's copy or a mail client leaves it."""
+    return "\n".join("\n".join(line[i:i + width] for i in range(0, max(len(line), 1), width))
+                     for line in text.split("\n"))
+
+
+def test_lines_a_terminal_cut_at_one_width_are_joined_back_without_a_space():
+    clean = _fixture("issue_nccl_watchdog_new.txt")
+    pasted = _cut_at(clean, 80)
+    assert pasted.count("\n") > clean.count("\n") + 2
+    norm = _norm(pasted)
+    assert "hard-wrap" in norm.steps
+    long_lines = [line for line in clean.splitlines() if len(line) > 80 and not line.startswith(" ")]
+    assert long_lines and all(line.strip() in norm.text for line in long_lines)
+    assert _top(pasted) == _top(clean) == "nccl-watchdog-timeout"
+    # lines of one width that are a rule, or a text with no line at the longest width three
+    # times, are no hard wrap
+    assert unwrap_hard_wrapped([(i, "-" * 80) for i in range(5)]) == [(i, "-" * 80) for i in range(5)]
+    prose = [(1, "a" * 70), (2, "b" * 70), (3, "short")]
+    assert unwrap_hard_wrapped(prose) == prose

@@ -15,6 +15,7 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
 
 1. characters: curly quotes to straight, full-width punctuation (``：（），``) to ASCII, no-break
    and zero-width spaces, HTML entities (``&gt;``, ``&#39;``);
+1b. a terminal's hard wrap: lines all cut at one width are joined back (:func:`unwrap_hard_wrapped`);
 2. Markdown blocks: code fences dropped, block quotes (``> ``) and bullets (``- ``, ``* ``, ``1.``)
    stripped;
 3. prefixes: a timestamp a log collector put first, a host name shared by many lines
@@ -159,6 +160,47 @@ def fix_characters(lines: list[_Line]) -> list[_Line]:
         if "&" in line:
             line = _ENTITY.sub(lambda m: html.unescape(m.group()), line)
         out.append((no, line))
+    return out
+
+
+# -- 1b. a terminal's hard wrap ---------------------------------------------------------------
+
+_WRAP_WIDTH_MIN = 60  # narrower than this is no terminal
+_HARD_WRAPPED_LINES = 3  # this many lines cut at exactly one width make a hard wrap
+_PROGRESS = re.compile(r"\d%\||it/s|s/it")
+#: A line that starts a new record, whatever came before it: never the rest of a cut line.
+_NEW_LINE = re.compile(r'^\s*(?:Traceback \(|File "|During handling|The above exception|\[?\d{4}-\d{2}-\d{2}'
+                       r"|\[(?:rank|default)?\d+\]|[A-Z]\w*(?:Error|Exception): )")
+
+
+def _hard_wrap_width(lines: list[_Line]) -> int | None:
+    """The width a terminal or a mail client cut every long line at: the longest line's length,
+    shared by at least three lines, two of them different (not rules of one repeated character, not progress
+    bars, which a terminal also sizes to its width)."""
+    lengths = [len(line) for _, line in lines]
+    width = max(lengths, default=0)
+    if width < _WRAP_WIDTH_MIN:
+        return None
+    at_width = [line for _, line in lines if len(line) == width and len(set(line.strip())) > 2
+                and not _PROGRESS.search(line)]
+    return width if len(at_width) >= _HARD_WRAPPED_LINES and len(set(at_width)) > 1 else None
+
+
+def unwrap_hard_wrapped(lines: list[_Line]) -> list[_Line]:
+    """A text whose long lines were all cut at one width (copied from a terminal, a mail) gets
+    each cut line joined to the next one, without a space: the cut fell inside a word as often as
+    not. A next line that starts something new (a frame, a timestamp, a prefix) is not joined."""
+    width = _hard_wrap_width(lines)
+    if width is None:
+        return lines
+    out: list[_Line] = []
+    joining = False
+    for no, line in lines:
+        if joining and line.strip() and not _NEW_LINE.match(line) and not _RANK.match(line):
+            out[-1] = (out[-1][0], out[-1][1] + line)
+        else:
+            out.append((no, line))
+        joining = len(line) == width and len(out[-1][1]) < 8 * width
     return out
 
 
@@ -347,7 +389,7 @@ def squeeze_spaces(lines: list[_Line]) -> list[_Line]:
 
 
 _STEPS = (
-    ("characters", fix_characters), ("markdown", undo_markdown_blocks),
+    ("characters", fix_characters), ("hard-wrap", unwrap_hard_wrapped), ("markdown", undo_markdown_blocks),
     ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
     ("hosts", strip_host_prefixes),
     ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
