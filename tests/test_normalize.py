@@ -203,7 +203,8 @@ STUCK_ROOT = ("Using  .cache/torch_extensions/py310_cu118 as PyTorch extensions 
 def test_runs_of_spaces_inside_a_line_become_one_and_the_indentation_stays():
     assert squeeze_spaces([(1, "    return f(x)  # note"), (2, "Using  .cache/x as root"),
                            (3, "12345 Killed                  python train.py")]) == [
-        (1, "    return f(x) # note"), (2, "Using .cache/x as root"), (3, "12345 Killed                  python train.py")]
+        (1, "    return f(x) # note"), (2, "Using .cache/x as root"),
+        (3, "12345 Killed                  python train.py")]
     assert _norm(STUCK_ROOT).text.splitlines()[0] == (
         "Using .cache/torch_extensions/py310_cu118 as PyTorch extensions root...")
     assert _top(STUCK_ROOT) == "stale-extension-lock"

@@ -31,7 +31,7 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
 6. wrapped messages: the continuation lines of an error line are appended to it;
 7. two or three spaces inside a line (after its indentation) become one: a path or word a paste
    (or a redaction) left two spaces before is still matched by a pattern written with one (wider
-   runs align columns and stay);
+   runs align columns and stay; a paste only, not a log of megabytes);
 8. a line printed twice in a row (two ranks printing the same line) is kept once.
 
 Normalising never removes information a pattern needs: ``explain`` matches the input as it is
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
 
-from troubleshooter.identifiers import identifier_vocabulary, line_starts, repair_identifiers
+from troubleshooter.identifiers import REPAIR_CHARS, identifier_vocabulary, line_starts, repair_identifiers
 
 __all__ = ["ERROR_LINE", "WINDOW_CHARS", "Normalized", "identifier_vocabulary", "normalize"]
 
@@ -384,7 +384,10 @@ _INNER_SPACES = re.compile(r"(?<=\S)(?: {2,3}|\t)(?=\S)")
 def squeeze_spaces(lines: list[_Line]) -> list[_Line]:
     """Two or three spaces, or a tab, between two words of a line become one space (a paste's or
     a redaction's slip). The indentation (which tells a traceback's code line from its frame line)
-    stays, and so do wider runs: they align columns (bash's ``12345 Killed      python ...``)."""
+    stays, and so do wider runs: they align columns (bash's ``12345 Killed      python ...``).
+    Only in a paste (at most REPAIR_CHARS characters): a log of megabytes was written by programs."""
+    if sum(len(line) + 1 for _, line in lines) > REPAIR_CHARS:
+        return lines
     return [(no, _INNER_SPACES.sub(" ", line) if "  " in line or "\t" in line else line) for no, line in lines]
 
 
