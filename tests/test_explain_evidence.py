@@ -320,7 +320,7 @@ def test_the_facts_of_real_runs():
 
 # -- the platform, library wordings, "auto" in prose, one error explaining another ---------------
 
-#: https://github.com/modelscope/modelscope/issues/334 (verbatim; the corpus's test/041)
+#: https://github.com/modelscope/modelscope/issues/334 (the pip commands left out; the corpus's test/041)
 NCCL_ON_WINDOWS = ("环境：windows11 python3.10\n按照要求安装了环境，运行报错Distributed package doesn't have NCCL "
                    "built in,查询资料发现windows系统不支持NCCL 需要改为gloo，请问是在代码的哪一处改？")
 
@@ -345,7 +345,7 @@ def test_torchs_dataloader_bus_error_wrapped_in_prose_is_a_small_dev_shm():
     assert _ids(BUS_ERROR)[:1] == ["shm-too-small"]
 
 
-#: https://github.com/hiyouga/LlamaFactory/issues/1485 (verbatim; the corpus's test/024): a frame
+#: https://github.com/hiyouga/LlamaFactory/issues/1485 (the command line left out; the corpus's test/024): a frame
 #: whose file name lost its underscore, the key said to be auto in Chinese prose, odd quotes.
 AUTO_WARMUP = ('使用的zero3的配置，warmup_num_steps设置的是auto\n报错如下：\n'
                'File "/home/yyliu/miniconda3/lib/python3.11/site-packages/deepspeed/runtime/lr schedules.py", '
