@@ -21,7 +21,9 @@ from troubleshooter.normalize import (
     lift_errors_from_prose,
     normalize,
     rejoin_wrapped,
+    squeeze_spaces,
     strip_rank_prefixes,
+    unwrap_hard_wrapped,
 )
 
 TRACEBACKS = Path(__file__).parent / "fixtures" / "tracebacks"
@@ -102,7 +104,7 @@ def test_two_ranks_interleaved_line_by_line_are_put_back_rank_by_rank():
     theirs = [line.replace("[rank0]:", "[rank1]:", 1) for line in ours]
     interleaved = [line for pair in zip(theirs, ours) for line in pair]  # rank 1 first, then 0
     norm = _norm("\n".join(interleaved))
-    plain = [line[len("[rank0]: "):] for line in ours]
+    plain = [line for _, line in squeeze_spaces([(0, line[len("[rank0]: "):]) for line in ours])]
     assert norm.text.splitlines() == plain + plain  # rank 1's block, then rank 0's, each whole
     assert norm.lines[:2] == (1, 3) and norm.input_line(len(plain) + 1) == 2
     assert _top("\n".join(interleaved)) == "zero3-param-not-available"
@@ -169,7 +171,7 @@ def test_a_host_prefix_before_rank_prefixes_goes_first_so_the_ranks_are_still_pu
     ours = _rank0_traceback()
     theirs = [line.replace("[rank0]:", "[rank1]:", 1) for line in ours]
     pasted = [f"node-2: {line}" for pair in zip(ours, theirs) for line in pair]
-    plain = [line[len("[rank0]: "):] for line in ours]
+    plain = [line for _, line in squeeze_spaces([(0, line[len("[rank0]: "):]) for line in ours])]
     assert _norm("\n".join(pasted)).text.splitlines() == plain + plain
 
 
@@ -188,3 +190,77 @@ def test_a_word_before_a_colon_on_a_line_or_two_is_not_a_host():
 def test_error_lines_are_found_after_other_words(line, lifted):
     out = [t for _, t in lift_errors_from_prose([(1, line)])]
     assert out == [line] + ([lifted] if lifted else [])
+
+
+# -- runs of spaces, prefixes in another order, identifiers only in their own case ---------------
+
+#: https://github.com/OpenRLHF/OpenRLHF/issues/208 (verbatim: a path with two spaces before it,
+#: every rank stopping on the same line; the corpus's test/034)
+STUCK_ROOT = ("Using  .cache/torch_extensions/py310_cu118 as PyTorch extensions root...\n" * 3
+              + "and just choked")
+
+
+def test_runs_of_spaces_inside_a_line_become_one_and_the_indentation_stays():
+    assert squeeze_spaces([(1, "    return f(x)  # note"), (2, "Using  .cache/x as root"),
+                           (3, "12345 Killed                  python train.py")]) == [
+        (1, "    return f(x) # note"), (2, "Using .cache/x as root"),
+        (3, "12345 Killed                  python train.py")]
+    assert _norm(STUCK_ROOT).text.splitlines()[0] == (
+        "Using .cache/torch_extensions/py310_cu118 as PyTorch extensions root...")
+    assert _top(STUCK_ROOT) == "stale-extension-lock"
+    # the last line of a paste without its final newline, and text around it, still end the log
+    assert _top("I got this:\n```\n" + STUCK_ROOT + "\n```\nany idea?") == "stale-extension-lock"
+
+
+#: https://github.com/huggingface/diffusers/issues/9579 (first log line, verbatim; the corpus's
+#: dev/093), as ``kubectl logs --timestamps`` would print it: the collector's stamp before the rank.
+BLOCKING_WAIT = ("[rank3]:[E1002 18:16:40.711756918 ProcessGroupNCCL.cpp:756] [Rank 3] Work WorkNCCL(SeqNum=2521, "
+                 "OpType=ALLREDUCE, NumelIn=160672064, NumelOut=160672064, Timeout(ms)=600000) timed out in "
+                 "blocking wait.")
+
+
+def test_a_timestamp_before_the_rank_prefix_is_stripped_first():
+    stamped = f"2024-10-02T18:16:40.712345Z {BLOCKING_WAIT}"
+    assert _norm(stamped).text == BLOCKING_WAIT[len("[rank3]:"):]
+    assert _top(stamped) == _top(BLOCKING_WAIT) == "nccl-watchdog-timeout"
+
+
+def test_a_host_prefix_before_an_indented_traceback_keeps_the_indentation():
+    """issue_cuda_home_assert.txt as pdsh prints it: ``host: `` before every line, frames indented."""
+    clean = _fixture("issue_cuda_home_assert.txt").splitlines()
+    pasted = [f"worker-7: {line}" for line in clean]
+    norm = _norm("\n".join(pasted))
+    frames = [line for _, line in squeeze_spaces([(0, c) for c in clean]) if line.lstrip().startswith("File ")]
+    assert frames and frames[0].startswith("        File ")
+    assert [line for line in norm.text.splitlines() if line.lstrip().startswith("File ")] == frames
+    assert _top("\n".join(pasted)) == "cuda-home-missing"
+
+
+def test_identifiers_are_repaired_only_in_their_own_case():
+    vocab = ["deepspeed_config", "ds_numel", "sigkill_handler"]
+    text = "set it in the DeepSpeed config\nparam.ds numel is 0\n[launch.py:428:sigkill handler] Killing"
+    assert normalize(text, vocab).text.splitlines() == [
+        "set it in the DeepSpeed config", "param.ds_numel is 0", "[launch.py:428:sigkill_handler] Killing"]
+    assert "sigkill_handler" in explain._vocabulary()  # an evidence term's identifier (cpu-oom's claim)
+
+
+def _cut_at(text: str, width: int) -> str:
+    """Every line cut at ``width`` characters, as a terminal's copy or a mail client leaves it."""
+    return "\n".join("\n".join(line[i:i + width] for i in range(0, max(len(line), 1), width))
+                     for line in text.split("\n"))
+
+
+def test_lines_a_terminal_cut_at_one_width_are_joined_back_without_a_space():
+    clean = _fixture("issue_nccl_watchdog_new.txt")
+    pasted = _cut_at(clean, 80)
+    assert pasted.count("\n") > clean.count("\n") + 2
+    norm = _norm(pasted)
+    assert "hard-wrap" in norm.steps
+    long_lines = [line for line in clean.splitlines() if len(line) > 80 and not line.startswith(" ")]
+    assert long_lines and all(line.strip() in norm.text for line in long_lines)
+    assert _top(pasted) == _top(clean) == "nccl-watchdog-timeout"
+    # lines of one width that are a rule, or a text with no line at the longest width three
+    # times, are no hard wrap
+    assert unwrap_hard_wrapped([(i, "-" * 80) for i in range(5)]) == [(i, "-" * 80) for i in range(5)]
+    prose = [(1, "a" * 70), (2, "b" * 70), (3, "short")]
+    assert unwrap_hard_wrapped(prose) == prose

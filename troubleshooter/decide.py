@@ -13,7 +13,10 @@ another's. So an entry is named on evidence, and the evidence is stated in its T
 * its ``symptoms``: an error line cut mid-message that is the start of one of them (and of no
   other entry's) names it;
 * ``broad`` (on the table or on a claim): the entry is named on that evidence only when no more
-  specific error entry is named; ``explain`` then also drops it when none of its fixes applies.
+  specific error entry is named; ``explain`` then also drops it when none of its fixes applies;
+* ``explains``: entries whose errors this entry's cause also explains (Lightning's refusal of
+  gradient_accumulation_steps, then DeepSpeed's batch assertion once the key is removed): when
+  both are named in one report, this one goes first, whichever error came last.
 
 A term is ``kind:regex``: a fact of that kind (:mod:`troubleshooter.evidence`) whose value the
 regex finds, case-insensitively; ``text:regex`` searches the normalised report itself. Every
@@ -183,4 +186,15 @@ def decide(text: str, norm: Normalized, ev: Evidence, entries: Iterable["Entry"]
         claimed.append(result)
     if any(not c.broad and c.match.entry.severity == "error" for c in claimed):
         claimed = [c for c in claimed if not c.broad]
-    return sorted(claimed, key=lambda c: rank_key(c.match))
+    return _causes_first(sorted(claimed, key=lambda c: rank_key(c.match)))
+
+
+def _causes_first(claimed: list[Claimed]) -> list[Claimed]:
+    """Each entry whose ``explains`` names another named entry is moved before it."""
+    out = list(claimed)
+    for cause in claimed:
+        named = [i for i, c in enumerate(out) if c.match.entry.id in cause.match.entry.evidence.explains]
+        at = out.index(cause)
+        if named and min(named) < at:
+            out.insert(min(named), out.pop(at))
+    return out

@@ -13,7 +13,8 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
 * ``config``: a configuration key and its value, ``key=value`` (JSON, YAML, DeepSpeed's
   config printout);
 * ``stack``: what ran: ``deepspeed``, ``zero-1``/``zero-2``/``zero-3``, ``lightning``,
-  ``transformers``, ``torchrun``, ``nccl``, ``gloo``, ``fp16``, ``bf16``, ``offload``, ``moe``;
+  ``transformers``, ``torchrun``, ``nccl``, ``gloo``, ``fp16``, ``bf16``, ``offload``, ``moe``,
+  ``windows`` (the platform, not under WSL);
 * ``phase``: where it failed: ``backward``, ``forward``, ``optimizer-step``, ``initialize``,
   ``checkpoint-save``, ``checkpoint-load``, ``build``;
 * ``number``: numbers with a meaning: ``shape-zero`` (a size-0 tensor in an error message),
@@ -65,7 +66,15 @@ _STACK = (
     ("bf16", re.compile(r"\bbf16\b|bfloat16", re.I)),
     ("offload", re.compile(r"offload_(?:param|optimizer)|\boffload", re.I)),
     ("moe", re.compile(r"\bMoE\b|mixture.of.experts|\bexperts?\b|ep_size|moe", re.I)),
+    # the platform, where it tells which fixes apply (torch's Windows builds have no NCCL at all):
+    # a Windows version, "on Windows", a wheel tag, a drive path; not WSL (a Linux build)
+    ("windows", re.compile(r"(?<![\w-])windows ?(?:1[01]|7|8(?:\.1)?|server|os)(?![\w.])"
+                           r"|\b(?:on|under|in|for|with) windows\b|windows(?=[\u3040-\u30ff\u4e00-\u9fff])"
+                           r"|\bwin(?:10|11|32|_amd64)\b|\b[A-Z]:\\(?:Users|Program Files|ProgramData|Windows)\\"
+                           r"|\b[A-Z]:/(?:Users|Program Files|ProgramData|Windows)/", re.I)),
 )
+#: A Linux build running on Windows: the "windows" stack fact is not emitted.
+_WSL = re.compile(r"\bWSL2?\b|subsystem for linux", re.I)
 _PHASES = (
     ("backward", re.compile(r"::backward$|_engine_run_backward|run_backward|reduce_(?:ready_partitions|partition)"
                             r"|reduce_scatter|grad_fn", re.I | re.M)),
@@ -208,6 +217,8 @@ def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -
     out = []
     for name, pattern in _STACK:
         at = _first(pattern, norm)
+        if name == "windows" and at is not None and _first(_WSL, norm) is not None:
+            continue
         if at is not None:
             out.append(Fact("stack", name, norm.line_of_offset(at), at))
     # the phase: the innermost frame of the last traceback that tells one (frames outward)

@@ -280,9 +280,18 @@ def _link_echoes(found: list[Diagnosis], data: Input) -> list[Diagnosis]:
 
 @lru_cache(maxsize=1)
 def _vocabulary() -> frozenset[str]:
-    """Identifiers with underscores the knowledge base's patterns and symptoms name."""
+    """Identifiers with underscores the knowledge base's patterns, symptoms and evidence terms
+    name (a term's ``sigkill_handler`` is repaired in a paste that says ``sigkill handler``)."""
     return identifier_vocabulary(s for e in knowledge.load_entries()
-                                 for s in (*e.patterns, *e.contextual, *e.context, *e.symptoms))
+                                 for s in (*e.patterns, *e.contextual, *e.context, *e.symptoms,
+                                           *_terms(e)))
+
+
+def _terms(entry: knowledge.Entry) -> tuple[str, ...]:
+    """Every evidence term of an entry, without its ``kind:``."""
+    rules = entry.evidence
+    terms = (*rules.requires, *rules.excludes, *(t for c in rules.claims for t in (*c.when, *c.unless)))
+    return tuple(t.partition(":")[2] for t in terms)
 
 
 def _read(data: Input) -> tuple[Normalized, evidence.Evidence]:

@@ -57,7 +57,8 @@ def identifier_vocabulary(sources: Iterable[str]) -> frozenset[str]:
 
 
 class _Repairer:
-    """Puts underscores back into known identifiers: ``ds numel`` -> ``ds_numel``."""
+    """Puts underscores back into known identifiers: ``ds numel`` -> ``ds_numel``. Only in the
+    identifier's own case: ``DeepSpeed config`` in a sentence is no ``deepspeed_config``."""
 
     def __init__(self, vocabulary: Iterable[str]) -> None:
         by_first: dict[str, list[tuple[re.Pattern[str], str]]] = {}
@@ -67,7 +68,7 @@ class _Repairer:
                 continue
             spaced = r"[ _]{1,2}".join(re.escape(p) for p in parts)
             by_first.setdefault(parts[0].lower(), []).append(
-                (re.compile(spaced + r"(?![\w])", re.I), word))
+                (re.compile(spaced + r"(?![\w])"), word))  # in its own case: "DeepSpeed config" is prose
         self.by_first = by_first
         self.token = re.compile(r"(?<![\w])[A-Za-z][A-Za-z0-9]*")
         firsts = "|".join(re.escape(f) for f in sorted(by_first, key=len, reverse=True))

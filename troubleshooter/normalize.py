@@ -15,11 +15,13 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
 
 1. characters: curly quotes to straight, full-width punctuation (``：（），``) to ASCII, no-break
    and zero-width spaces, HTML entities (``&gt;``, ``&#39;``);
+1b. a terminal's hard wrap: lines all cut at one width are joined back (:func:`unwrap_hard_wrapped`);
 2. Markdown blocks: code fences dropped, block quotes (``> ``) and bullets (``- ``, ``* ``, ``1.``)
    stripped;
-3. prefixes: a host name shared by many lines (``node-3: ``), then ``[rankN]:``, ``[defaultN]:``,
-   ``N:``, with two ranks' lines de-interleaved (each rank's lines together, in their order); then
-   timestamps;
+3. prefixes: a timestamp a log collector put first, a host name shared by many lines
+   (``node-3: ``, its indentation kept), then ``[rankN]:``, ``[defaultN]:``, ``N:``, with two ranks'
+   lines de-interleaved (each rank's lines together, in their order); then timestamps again (the
+   library's own, after the rank prefix);
 4. error lines inside prose: ``... `RuntimeError: x` ...`` gets a line of its own starting with
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
@@ -27,7 +29,10 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    ``partition parameters.py``) gets its underscores back; a path split at a space is rejoined
    (:mod:`troubleshooter.identifiers`);
 6. wrapped messages: the continuation lines of an error line are appended to it;
-7. a line printed twice in a row (two ranks printing the same line) is kept once.
+7. two or three spaces inside a line (after its indentation) become one: a path or word a paste
+   (or a redaction) left two spaces before is still matched by a pattern written with one (wider
+   runs align columns and stay; a paste only, not a log of megabytes);
+8. a line printed twice in a row (two ranks printing the same line) is kept once.
 
 Normalising never removes information a pattern needs: ``explain`` matches the input as it is
 *and* its normalised form (:mod:`troubleshooter.decide`).
@@ -42,7 +47,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
 
-from troubleshooter.identifiers import identifier_vocabulary, line_starts, repair_identifiers
+from troubleshooter.identifiers import REPAIR_CHARS, identifier_vocabulary, line_starts, repair_identifiers
 
 __all__ = ["ERROR_LINE", "WINDOW_CHARS", "Normalized", "identifier_vocabulary", "normalize"]
 
@@ -65,7 +70,7 @@ _BULLET_FIRST = frozenset("-*+\u20220123456789")
 _HTML_TAG = re.compile(r"</?(?:details|summary|pre|code|br|p|b|i|em|strong|kbd|sub|sup)\b[^>\n]{0,80}>", re.I)
 #: Rank prefixes torch, torchrun, srun -l and the DeepSpeed launcher put before a line.
 _RANK = re.compile(r"^\s*(?:\[(?:rank|default)(?P<a>\d{1,4})\]:|(?P<b>\d{1,4}): |\[RANK (?P<c>\d{1,4})\] )")
-_HOST = re.compile(r"^(?P<host>[A-Za-z][\w.-]{1,62}): (?=\S)")
+_HOST = re.compile(r"^(?P<host>[A-Za-z][\w.-]{1,62}): (?=\S| +\S)")  # a traceback keeps its indent
 _TIMESTAMP = re.compile(
     r"^\s*\[?(?:\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
     r"|\d{2}:\d{2}:\d{2}(?:[.,]\d+)?|[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2})\]?(?: *\|)?[ \t]")
@@ -155,6 +160,47 @@ def fix_characters(lines: list[_Line]) -> list[_Line]:
         if "&" in line:
             line = _ENTITY.sub(lambda m: html.unescape(m.group()), line)
         out.append((no, line))
+    return out
+
+
+# -- 1b. a terminal's hard wrap ---------------------------------------------------------------
+
+_WRAP_WIDTH_MIN = 60  # narrower than this is no terminal
+_HARD_WRAPPED_LINES = 3  # this many lines cut at exactly one width make a hard wrap
+_PROGRESS = re.compile(r"\d%\||it/s|s/it")
+#: A line that starts a new record, whatever came before it: never the rest of a cut line.
+_NEW_LINE = re.compile(r'^\s*(?:Traceback \(|File "|During handling|The above exception|\[?\d{4}-\d{2}-\d{2}'
+                       r"|\[(?:rank|default)?\d+\]|[A-Z]\w*(?:Error|Exception): )")
+
+
+def _hard_wrap_width(lines: list[_Line]) -> int | None:
+    """The width a terminal or a mail client cut every long line at: the longest line's length,
+    shared by at least three lines, two of them different (not rules of one repeated character, not progress
+    bars, which a terminal also sizes to its width)."""
+    lengths = [len(line) for _, line in lines]
+    width = max(lengths, default=0)
+    if width < _WRAP_WIDTH_MIN:
+        return None
+    at_width = [line for _, line in lines if len(line) == width and len(set(line.strip())) > 2
+                and not _PROGRESS.search(line)]
+    return width if len(at_width) >= _HARD_WRAPPED_LINES and len(set(at_width)) > 1 else None
+
+
+def unwrap_hard_wrapped(lines: list[_Line]) -> list[_Line]:
+    """A text whose long lines were all cut at one width (copied from a terminal, a mail) gets
+    each cut line joined to the next one, without a space: the cut fell inside a word as often as
+    not. A next line that starts something new (a frame, a timestamp, a prefix) is not joined."""
+    width = _hard_wrap_width(lines)
+    if width is None:
+        return lines
+    out: list[_Line] = []
+    joining = False
+    for no, line in lines:
+        if joining and line.strip() and not _NEW_LINE.match(line) and not _RANK.match(line):
+            out[-1] = (out[-1][0], out[-1][1] + line)
+        else:
+            out.append((no, line))
+        joining = len(line) == width and len(out[-1][1]) < 8 * width
     return out
 
 
@@ -289,7 +335,7 @@ def undo_inline_markdown(lines: list[_Line]) -> list[_Line]:
     return out
 
 
-# -- 6. wrapped messages, 7. lines printed twice -----------------------------------------------
+# -- 6. wrapped messages, 7. spaces, 8. lines printed twice ---------------------------------
 
 
 def _continues(prev: str, line: str) -> bool:
@@ -332,11 +378,26 @@ def drop_repeats(lines: list[_Line]) -> list[_Line]:
     return out
 
 
+_INNER_SPACES = re.compile(r"(?<=\S)(?: {2,3}|\t)(?=\S)")
+
+
+def squeeze_spaces(lines: list[_Line]) -> list[_Line]:
+    """Two or three spaces, or a tab, between two words of a line become one space (a paste's or
+    a redaction's slip). The indentation (which tells a traceback's code line from its frame line)
+    stays, and so do wider runs: they align columns (bash's ``12345 Killed      python ...``).
+    Only in a paste (at most REPAIR_CHARS characters): a log of megabytes was written by programs."""
+    if sum(len(line) + 1 for _, line in lines) > REPAIR_CHARS:
+        return lines
+    return [(no, _INNER_SPACES.sub(" ", line) if "  " in line or "\t" in line else line) for no, line in lines]
+
+
 _STEPS = (
-    ("characters", fix_characters), ("markdown", undo_markdown_blocks), ("hosts", strip_host_prefixes),
+    ("characters", fix_characters), ("hard-wrap", unwrap_hard_wrapped), ("markdown", undo_markdown_blocks),
+    ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
+    ("hosts", strip_host_prefixes),
     ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
     ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
-    ("repeats", drop_repeats),
+    ("spaces", squeeze_spaces), ("repeats", drop_repeats),
 )
 
 
@@ -354,7 +415,7 @@ def normalize(text: str, vocabulary: Iterable[str] = (), window: int | None = WI
     steps = []
     for name, step in _STEPS:
         after = repair_identifiers(lines, vocab) if step is None else step(lines)
-        if after != lines:
+        if after != lines and name not in steps:
             steps.append(name)
         lines = after
     lines = kept + lines

@@ -145,8 +145,11 @@ def _parse_evidence(path: Path, data: dict) -> EvidenceRules:
     raw = data.get("evidence")
     if raw is None:
         return EvidenceRules()
-    if not isinstance(raw, dict) or set(raw) - {"requires", "excludes", "broad", "claims"}:
-        raise _fail(path, "evidence", "a table with only requires, excludes, broad and [[evidence.claims]]")
+    if not isinstance(raw, dict) or set(raw) - {"requires", "excludes", "broad", "claims", "explains"}:
+        raise _fail(path, "evidence", "a table with only requires, excludes, broad, explains and [[evidence.claims]]")
+    explains = raw.get("explains", [])
+    if not isinstance(explains, list) or not all(isinstance(i, str) and _ID_RE.match(i) for i in explains):
+        raise _fail(path, "evidence.explains", "must be a list of entry ids")
     if not isinstance(raw.get("broad", False), bool):
         raise _fail(path, "evidence.broad", "must be true or false")
     claims = []
@@ -161,7 +164,7 @@ def _parse_evidence(path: Path, data: dict) -> EvidenceRules:
                             bool(item.get("broad", False))))
     return EvidenceRules(_terms(path, "evidence.requires", raw.get("requires", [])),
                          _terms(path, "evidence.excludes", raw.get("excludes", [])),
-                         raw.get("broad", False), tuple(claims))
+                         raw.get("broad", False), tuple(claims), tuple(explains))
 
 
 def _check_patch(path: Path, data: dict) -> None:

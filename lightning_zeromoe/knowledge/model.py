@@ -76,12 +76,15 @@ class EvidenceRules:
     """An entry's ``[evidence]`` table: what a report must show besides a pattern hit
     (``requires``, every term), what rules the entry out whatever matched (``excludes``, any
     term), whether its patterns are broad ones (``broad``: named only when nothing more specific
-    is), and its :class:`Claim` s (``[[evidence.claims]]``). Terms are ``kind:regex``."""
+    is), its :class:`Claim` s (``[[evidence.claims]]``), and the ids of the entries whose errors
+    its cause also explains (``explains``: when both are named in one report, this one is the
+    cause and goes first). Terms are ``kind:regex``."""
 
     requires: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     broad: bool = False
     claims: tuple[Claim, ...] = ()
+    explains: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
