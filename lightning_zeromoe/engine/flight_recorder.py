@@ -119,6 +119,8 @@ class Recorder:
     rank: int
     world_size: int
     gathers: GatherLog = dataclasses.field(default_factory=GatherLog)
+    #: One dump at a time: a failing main thread and the signal watcher (a peer asking) may dump at once.
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _watcher: threading.Thread | None = None
     _sockets: tuple[socket.socket, socket.socket] | None = None
 
@@ -140,13 +142,14 @@ class Recorder:
 
         if torch_private.flight_recorder_missing():
             return None
-        data = torch_private.dump_flight_recorder()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.trace_file()
-        tmp = path.with_name(f".{path.name}.tmp")  # a reader never sees half a file
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        self._write_process_file(reason=reason)
+        with self._lock:
+            data = torch_private.dump_flight_recorder()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = self.trace_file()
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a reader never sees half a file
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            self._write_process_file(reason=reason)
         return path
 
     def signal_peers(self) -> list[tuple[int, int, str]]:
@@ -159,7 +162,7 @@ class Recorder:
                 "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "",
                 "groups": _groups(), "dumped": reason, "time_ns": time.time_ns(),
                 "gathers": [list(r) for r in self.gathers.records]}
-        tmp = self.directory / f".{self.process_file().name}.tmp"
+        tmp = self.directory / f".{self.process_file().name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(info))
         os.replace(tmp, self.process_file())
 
@@ -259,10 +262,15 @@ class Flight:
         """A Trainer call raised: this rank's trace, then the other ranks' (they may wait in a collective);
         at exit, this rank will not wait for the others."""
         group_exit.mark_failed()
-        path = self.dump(f"{type(exception).__name__}: {str(exception)[:300]}")
-        if path is None or self.recorder is None:
+        try:
+            path = self.dump(f"{type(exception).__name__}: {str(exception)[:300]}")
+            if path is None or self.recorder is None:
+                return
+            self.recorder.signal_peers()
+        except Exception as error:  # noqa: BLE001 - the user's exception is what propagates, never ours
+            print(f"[rank {rank}] Flight Recorder trace not written: {type(error).__name__}: {error}", file=sys.stderr,
+                  flush=True)
             return
-        self.recorder.signal_peers()
         print(f"[rank {rank}] Flight Recorder trace written to {path.parent}", file=sys.stderr, flush=True)
 
 

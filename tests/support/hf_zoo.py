@@ -143,8 +143,10 @@ _EXTRA: dict[str, dict[str, Any]] = {
 
 
 def tiny_config(model_type: str) -> Any:
+    """The family's tiny config (``type+variant``: the type's; a variant changes the weights, not the config)."""
     from transformers import AutoConfig
 
+    model_type = model_type.partition("+")[0]
     config = AutoConfig.for_model(model_type)
     values = dict(_SMALL, **_EXTRA.get(model_type, {}))
     if model_type == "dbrx":
