@@ -19,6 +19,7 @@ import argparse
 import collections
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,16 +48,47 @@ def _burn(stop_at: float) -> None:
         sum(i * i for i in range(10_000))
 
 
+def _where_stuck(proc: subprocess.Popen) -> str:
+    """Every process of a stuck run, children first: its native threads (gdb, when installed) and,
+    through SIGABRT and faulthandler, its Python threads. Returns the run's whole stderr."""
+    import shutil
+
+    import psutil
+
+    family = psutil.Process(proc.pid).children(recursive=True)[::-1] + [psutil.Process(proc.pid)]
+    native = []
+    for member in family:
+        if shutil.which("gdb"):
+            bt = subprocess.run(["gdb", "-p", str(member.pid), "-batch", "-ex", "thread apply all bt 12"],
+                                capture_output=True, text=True, timeout=60)
+            native.append(f"===== gdb, pid {member.pid}: {' '.join(member.cmdline())[:120]}\n{bt.stdout}")
+    for member in family:
+        try:
+            member.send_signal(signal.SIGABRT)  # faulthandler prints the Python stacks, then the process dies
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err + "\n".join(native)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--burners", type=int, default=1, help="CPU-spinning processes while the runs go")
     parser.add_argument("--code", type=Path, default=REPO, help="checkout whose lightning_zeromoe is imported")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run before it is killed")
+    parser.add_argument("--stuck-dir", default="clean_exit_stuck",
+                        help="where the stacks of a run killed at the limit are written")
     args = parser.parse_args()
 
+    # PYTHONFAULTHANDLER: a run killed at the limit prints every thread's Python stack (see _where_stuck).
     env = dict(os.environ, PYTHONPATH=str(args.code.resolve()), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
+    stuck_dir = Path(args.stuck_dir).resolve()
     burners = [multiprocessing.Process(target=_burn, args=(time.time() + 24 * 3600,), daemon=True)
                for _ in range(args.burners)]
     for proc in burners:
@@ -70,16 +102,19 @@ def main() -> None:
             script.write_text(SCRIPT)
             for run in range(args.runs):
                 t0 = time.time()
+                proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
                 try:
-                    proc = subprocess.run([sys.executable, str(script)], cwd=tmp, env=env, capture_output=True,
-                                          text=True, timeout=args.timeout)
+                    _, err = proc.communicate(timeout=args.timeout)
                     rc = proc.returncode
-                    tail = proc.stderr.strip().splitlines()[-1:] if rc else []
+                    tail = err.strip().splitlines()[-1:] if rc else []
                     # rank 1 (a child of the script) shares its stderr: its abort shows there too.
-                    aborts += proc.stderr.count("terminate called")
-                except subprocess.TimeoutExpired as stuck:  # keep what it printed: where it was
-                    out = stuck.stderr.decode(errors="replace") if isinstance(stuck.stderr, bytes) else stuck.stderr
-                    rc, tail = -999, ["timed out; last stderr line:", *(out or "").strip().splitlines()[-1:]]
+                    aborts += err.count("terminate called")
+                except subprocess.TimeoutExpired:  # say where every process of the run was stuck
+                    err = _where_stuck(proc)
+                    stuck_dir.mkdir(parents=True, exist_ok=True)
+                    (stuck_dir / f"run{run + 1}.stderr").write_text(err)
+                    rc, tail = -999, [f"timed out; stacks in {stuck_dir / f'run{run + 1}.stderr'}"]
                 codes[rc] += 1
                 print(f"run {run + 1:3d}: rc {rc:4d}  {time.time() - t0:5.1f} s  {' '.join(tail)[:150]}", flush=True)
     finally:
