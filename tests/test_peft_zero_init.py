@@ -20,10 +20,10 @@ from support.jobs import free_port, run_job
 pytest.importorskip("peft")
 
 
-def _results(cases: str) -> dict:
+def _results(cases: str, *extra: str, gathered: str = "1,0") -> dict:
     """One process: every case with the strategy's wrapper ("1") and without it ("0")."""
-    proc = run_job("peft_zero_init_job.py", "--gathered", "1,0", "--port", str(free_port()), "--cases", cases,
-                   timeout=300)
+    proc = run_job("peft_zero_init_job.py", "--gathered", gathered, "--port", str(free_port()), "--cases", cases,
+                   *extra, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -41,3 +41,13 @@ def test_lora_init_under_zero_init_is_peft_own_and_variants_are_refused():
     assert fixed["modules_to_save"]["copies"] == 1  # the trained copy starts as the original module
     assert fixed["dora"]["error"].startswith("[peft-variant-zero-init] PEFT adapter 'default' on a "
                                              "peft.tuners.lora.layer.Linear layer is a LoRA variant (DoraLinearVariant)")
+
+
+def test_lora_init_is_gathered_when_peft_is_first_imported_inside_configure_model():
+    """The wrapper does not import peft; a ``configure_model`` that imports it itself (here: the
+    first ``get_peft_model`` of the process runs under ``zero.Init``) is covered by the import hook."""
+    results = _results("linear", "--zero-first")
+    fixed, raw = results["1"]["linear"], results["0"]["linear"]
+    assert fixed["peft_imported_before"] is False, fixed  # peft was first imported inside the wrapper
+    assert fixed["partitioned_adapters"] >= 2 and fixed["differ"] == [], fixed
+    assert len(raw["differ"]) == fixed["partitioned_adapters"], raw  # without the wrapper: PEFT's init lost

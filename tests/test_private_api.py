@@ -163,3 +163,33 @@ def test_an_autoep_api_change_is_an_error_naming_the_version(monkeypatch):
     with pytest.raises(RuntimeError, match=rf"^\[stack-versions\] deepspeed {deepspeed.__version__}: AutoEP's API "
                                            r"changed \(.*AutoEPMoELayer no longer takes source.*Gone is gone"):
         ds_private.check_autoep_api()
+
+
+def test_deepspeed_muon_module_is_imported_without_compiling_and_compiles_on_first_use():
+    """``deepspeed.initialize`` imports DeepSpeed's Muon module on every ZeRO engine; imported through
+    :func:`import_muon_compiling_on_first_use`, torch's inductor stays unloaded until a kernel runs,
+    and the first call goes through ``torch.compile`` (inductor is loaded then) with the same result
+    as the undecorated kernel. Dynamo is disabled in the subprocess so that the call runs the
+    function eagerly after ``torch.compile`` has wrapped it (compiling it for real on CPU takes a
+    minute): what is checked is that compilation is deferred, not what inductor makes of it."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+torch._dynamo.config.disable = True
+from lightning_zeromoe._private.deepspeed import MUON_MODULE, import_muon_compiling_on_first_use
+import_muon_compiling_on_first_use()
+assert MUON_MODULE in sys.modules and 'torch._inductor.compile_fx' not in sys.modules
+from deepspeed.runtime.zero.muon import original_muon
+kernel = original_muon.zeropower_via_newtonschulz5
+G = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+out = kernel(G, 3)
+assert 'torch._inductor.compile_fx' in sys.modules, 'the first call did not go through torch.compile'
+assert torch.equal(out, kernel.__wrapped__(G, 3))
+import_muon_compiling_on_first_use()  # already imported: nothing happens
+assert original_muon.zeropower_via_newtonschulz5 is kernel
+print('ok')
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -17,6 +17,11 @@
   AutoEP saves, updates and restores transformers' output-capture registry by key
   (``registry.get(key, default)``, ``registry[key] = entry``); run on a scratch registry by
   :func:`autoep_mishandles_registry` to learn whether AutoEP needs :func:`autoep_output_capture_shim`.
+* ``runtime.zero.muon.muon_optimizer``: the module ``deepspeed.initialize`` imports on every ZeRO
+  engine (``is_zero_supported_optimizer``, ``DeepSpeedZeroOptimizer_Stage3.__init__``), whose import
+  decorates three kernels with ``torch.compile`` and so imports torch's inductor (measured: 2-6 s and
+  ~40 MB per rank at start, whatever the optimizer). :func:`import_muon_compiling_on_first_use`
+  imports it beforehand with those decorations deferred to the kernels' first call.
 * ``utils.groups._get_expert_parallel_group_dict`` / ``_get_expert_data_parallel_group_dict``: the
   expert process groups DeepSpeed built, so the communication ledger can say which group a
   collective ran on.
@@ -36,6 +41,10 @@ NAMES = ("_external_params", "_init_external_params", "_is_autoep_layer", "_conf
          "_install_instance_transformers_output_recorders",
          "_get_expert_parallel_group_dict", "_get_expert_data_parallel_group_dict",
          "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "_REMOVED_ZERO_CONFIG_KEYS")
+
+
+#: DeepSpeed's Muon optimizer module (imported by ``deepspeed.initialize``; see the module docstring).
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 def missing() -> list[str]:
@@ -58,6 +67,10 @@ def missing() -> list[str]:
 
     gone += [f"utils.groups.{name}" for name in ("_get_expert_parallel_group_dict", "_get_expert_data_parallel_group_dict")
              if not callable(getattr(groups, name, None))]
+    import importlib.util
+
+    if importlib.util.find_spec(MUON_MODULE) is None:
+        gone.append(MUON_MODULE)
     return gone + frozen_expert_hooks_missing() + autoep_api_changes()
 
 
@@ -313,6 +326,47 @@ def autoep_output_capture_shim() -> Iterator[None]:
         return
     with hf_private.key_tolerant_registry(registry):
         yield
+
+
+def import_muon_compiling_on_first_use() -> None:
+    """Import DeepSpeed's Muon optimizer module now, with each function its import hands to
+    ``torch.compile`` compiled on that function's first call instead of at import.
+
+    ``deepspeed.initialize`` imports the module for every ZeRO engine to learn whether the optimizer
+    is Muon; its import runs ``torch.compile`` on three Newton-Schulz kernels, and ``torch.compile``
+    imports torch's inductor even for a function it never runs. The kernels run only when the
+    optimizer is DeepSpeed's Muon; then the first call compiles them exactly as the import would have
+    (same function, same arguments). Nothing happens when the module is already imported (a user of
+    Muon imported it to build the optimizer) or does not exist (a DeepSpeed without it).
+    """
+    import importlib
+    import importlib.util
+    import sys
+
+    if MUON_MODULE in sys.modules or importlib.util.find_spec(MUON_MODULE) is None:
+        return
+    import torch
+
+    compile_now = torch.compile
+
+    def compile_on_first_use(model: Any = None, **kwargs: Any) -> Any:
+        if not inspect.isfunction(model):  # a module, or torch.compile(**options) as a decorator factory
+            return compile_now(**kwargs) if model is None else compile_now(model, **kwargs)
+        compiled: list[Any] = []
+
+        @functools.wraps(model)
+        def first_call_compiles(*args: Any, **call_kwargs: Any) -> Any:
+            if not compiled:
+                compiled.append(compile_now(model, **kwargs))
+            return compiled[0](*args, **call_kwargs)
+
+        return first_call_compiles
+
+    torch.compile = compile_on_first_use
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        torch.compile = compile_now
 
 
 def expert_groups() -> dict[str, list[Any]]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from torch.nn import Module
 
-from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim
+from lightning_zeromoe._private.deepspeed import autoep_output_capture_shim, import_muon_compiling_on_first_use
 from lightning_zeromoe.config.autoep_wire import config_for_deepspeed
 from lightning_zeromoe.config.schema import DeepSpeedConfig
 
@@ -57,14 +57,25 @@ def initialize(model: Module, config: DeepSpeedConfig, *, device_rank: int, root
     the lent config itself (it warns about the pair: :mod:`lightning_zeromoe.config.autoep_wire`), and
     runs inside the transformers-registry shim (transformers >= 5.23 with deepspeed 0.19.8's AutoEP).
     The typed config becomes the dict DeepSpeed reads here, and only here.
+
+    Around the call: DeepSpeed's Muon module is imported first without compiling its kernels
+    (:func:`~lightning_zeromoe._private.deepspeed.import_muon_compiling_on_first_use`), and the heap
+    is trimmed afterwards (AutoEP's conversion frees each replaced block's weights, which glibc
+    otherwise keeps in the process: ~100 MB per rank on a 14M-parameter Mixtral, measured with
+    ``benchmarks/native_peer.py``).
     """
     import deepspeed
+
+    from lightning_zeromoe.loading.memory_release import trim_heap
+
+    import_muon_compiling_on_first_use()
 
     wire = config_for_deepspeed(config.to_dict(), root_config)
     with lend_root_config(model, root_config), autoep_output_capture_shim():
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank), config=wire, model=model,
             model_parameters=params, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
+    trim_heap()
     return engine, ds_optimizer
 
 

@@ -17,40 +17,93 @@ weight is gathered too only for initialisations that read it (PiSSA, OLoRA, Loft
 
 LoRA variants (DoRA, ...) initialise from the base weights after that, in code not gathered for:
 an adapter with a variant whose layer is partitioned is refused (``[peft-variant-zero-init]``).
+
+peft is not imported for a run that does not use it (its import costs ~25 MB and 1-2 s per rank):
+when ``configure_model`` starts and peft's LoRA layer module is not imported yet, the wrapper is
+put in place the moment it is (an import hook, :class:`_WhenImported`), so a ``configure_model``
+that imports peft itself is covered too.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
 from contextlib import contextmanager
 from functools import wraps
-from typing import Any, Callable, Iterator
+from types import ModuleType
+from typing import Any, Callable, Iterator, Sequence
 
 #: ``init_lora_weights`` values whose initialisation touches only the adapter's own tensors.
 _ADAPTER_ONLY_INITS = (True, False, "gaussian")
 
 
+#: The peft module that defines ``LoraLayer``.
+_LORA_LAYER_MODULE = "peft.tuners.lora.layer"
+
+
 @contextmanager
 def peft_init_gathered(active: bool) -> Iterator[None]:
     """While active (ZeRO-3), PEFT's LoRA initialisation runs on gathered parameters. A no-op
-    when ``active`` is false or peft is not installed; PEFT's method is put back afterwards."""
-    layer_class = _lora_layer_class() if active else None
-    if layer_class is None:
+    when ``active`` is false or peft is not installed; PEFT's method is put back afterwards.
+    peft is not imported here: when it is first imported inside the block, the wrapper is put in
+    place then."""
+    if not active:
         yield
         return
-    original = layer_class.__dict__["reset_lora_parameters"]
-    layer_class.reset_lora_parameters = _gathered(original)
+    patched: list[tuple[type, Any]] = []  # (LoraLayer, PEFT's own reset_lora_parameters)
+
+    def patch(module: ModuleType) -> None:
+        layer_class = getattr(module, "LoraLayer", None)
+        if layer_class is not None and "reset_lora_parameters" in layer_class.__dict__:
+            original = layer_class.__dict__["reset_lora_parameters"]
+            layer_class.reset_lora_parameters = _gathered(original)
+            patched.append((layer_class, original))
+
+    hook = None
+    if _LORA_LAYER_MODULE in sys.modules:
+        patch(sys.modules[_LORA_LAYER_MODULE])
+    else:
+        hook = _WhenImported(_LORA_LAYER_MODULE, patch)
+        sys.meta_path.insert(0, hook)
     try:
         yield
     finally:
-        layer_class.reset_lora_parameters = original
+        if hook is not None:
+            sys.meta_path.remove(hook)
+        for layer_class, original in patched:
+            layer_class.reset_lora_parameters = original
 
 
-def _lora_layer_class() -> type | None:
-    try:
-        from peft.tuners.lora.layer import LoraLayer
-    except ImportError:
-        return None
-    return LoraLayer if "reset_lora_parameters" in LoraLayer.__dict__ else None
+class _WhenImported(importlib.abc.MetaPathFinder):
+    """An import hook: runs ``then(module)`` right after the module ``name`` has been executed
+    (found by the finders after this one; nothing else about the import changes)."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute, then = spec.loader.exec_module, self.then
+
+        def execute_then(module: ModuleType) -> None:
+            execute(module)
+            then(module)
+
+        spec.loader.exec_module = execute_then  # type: ignore[method-assign]  # this spec's own loader
+        return spec
 
 
 def _gathered(reset: Callable[..., Any]) -> Callable[..., Any]:

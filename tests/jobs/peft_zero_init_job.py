@@ -49,6 +49,9 @@ def main() -> int:
     parser.add_argument("--gathered", default="1,0", help="1: with the wrapper, 0: without; both in one process")
     parser.add_argument("--port", default="29611")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--zero-first", action="store_true",
+                        help="build each case under zero.Init before the plain one: peft is first imported "
+                             "inside the strategy's wrapper, as by a configure_model that imports it itself")
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=args.port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
@@ -56,16 +59,23 @@ def main() -> int:
 
     from lightning_zeromoe.loading.peft_zero3 import peft_init_gathered
 
+    if args.zero_first:
+        # As in a strategy run: ``import lightning`` has loaded torch._dynamo, whose first import under
+        # zero.Init fails (its polyfill of Tensor.__new__ meets DeepSpeed's patched one); and
+        # transformers' model classes, which a configure_model has imported by then.
+        import torch._dynamo  # noqa: F401
+        import transformers.models.mixtral.modeling_mixtral  # noqa: F401
     dist.init_process_group("gloo", rank=0, world_size=1)  # deepspeed.init_distributed took 40 s more here
     results: dict[str, dict[str, object]] = {}
     for gathered in args.gathered.split(","):
-        results[gathered] = _compare(args.cases.split(","), gathered == "1", deepspeed, peft_init_gathered)
+        results[gathered] = _compare(args.cases.split(","), gathered == "1", deepspeed, peft_init_gathered,
+                                     zero_first=args.zero_first)
     print("RESULT " + json.dumps(results))
     dist.destroy_process_group()
     return 0
 
 
-def _compare(cases: list[str], gathered: bool, deepspeed, peft_init_gathered) -> dict[str, object]:
+def _compare(cases: list[str], gathered: bool, deepspeed, peft_init_gathered, zero_first: bool = False) -> dict[str, object]:
     """Each case built plainly and under ``zero.Init`` (with or without the wrapper); what differs."""
     import torch
 
@@ -74,7 +84,8 @@ def _compare(cases: list[str], gathered: bool, deepspeed, peft_init_gathered) ->
         if case == "dora" and not gathered:
             continue  # PEFT alone raises IndexError on it (seen by hand); only the strategy's refusal is checked
         lora = CASES[case]
-        plain = {n: p.detach().clone() for n, p in _build(lora).named_parameters()}
+        plain = None if zero_first else {n: p.detach().clone() for n, p in _build(lora).named_parameters()}
+        peft_imported_before = "peft" in sys.modules
         try:
             with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_batch_size": 1}), \
                     peft_init_gathered(gathered):
@@ -85,6 +96,8 @@ def _compare(cases: list[str], gathered: bool, deepspeed, peft_init_gathered) ->
         except Exception as err:  # noqa: BLE001 - what PEFT raises on partitioned tensors, reported by type
             result[case] = {"error": f"{type(err).__name__}: {err}"}
             continue
+        if plain is None:
+            plain = {n: p.detach().clone() for n, p in _build(lora).named_parameters()}
         params = dict(model.named_parameters())
         with deepspeed.zero.GatheredParameters(list(params.values())):
             got = {n: p.detach().clone() for n, p in params.items()}
@@ -94,7 +107,8 @@ def _compare(cases: list[str], gathered: bool, deepspeed, peft_init_gathered) ->
         copies = sorted(n for n in got if ".modules_to_save." in n)
         differ += [n for n in copies if not torch.equal(got[n], got[n.replace(".modules_to_save.default.", ".original_module.")])]
         result[case] = {"differ": differ, "partitioned_adapters": len(partitioned),
-                        "adapters": sum(".lora_" in n for n in plain), "copies": len(copies)}
+                        "adapters": sum(".lora_" in n for n in plain), "copies": len(copies),
+                        "peft_imported_before": peft_imported_before}
     return result
 
 
