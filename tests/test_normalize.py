@@ -21,6 +21,7 @@ from troubleshooter.normalize import (
     lift_errors_from_prose,
     normalize,
     rejoin_wrapped,
+    split_progress_bars,
     squeeze_spaces,
     strip_rank_prefixes,
     unwrap_hard_wrapped,
@@ -264,3 +265,26 @@ def test_lines_a_terminal_cut_at_one_width_are_joined_back_without_a_space():
     assert unwrap_hard_wrapped([(i, "-" * 80) for i in range(5)]) == [(i, "-" * 80) for i in range(5)]
     prose = [(1, "a" * 70), (2, "b" * 70), (3, "short")]
     assert unwrap_hard_wrapped(prose) == prose
+
+
+# -- output printed on a progress bar's line -----------------------------------------------------
+
+#: https://github.com/eosphoros-ai/DB-GPT/issues/63 (the issue's title, verbatim): the shell's
+#: "Killed" on the line of the bar it interrupted (tqdm redraws with a carriage return, no newline)
+BAR_KILLED = "Loading checkpoint shards: 0%| | 0/2 [00:00<?, ?it/s]Killed"
+#: https://github.com/baichuan-inc/Baichuan2/issues/131 (its first two lines; the bar's run of
+#: spaces shortened): the traceback's first line on the bar's line
+BAR_TRACEBACK = ("  0%|          | 0/6896 [00:00<?, ?it/s]Traceback (most recent call last):\n"
+                 '  File "/home/featurize/work/Baichuan2-main/fine-tune/fine-tune.py", line 153, in <module>')
+
+
+def test_what_was_printed_after_a_progress_bar_on_its_line_gets_a_line_of_its_own():
+    norm = _norm(BAR_KILLED)
+    assert norm.text.split("\n") == ["Loading checkpoint shards: 0%| | 0/2 [00:00<?, ?it/s]", "Killed"]
+    assert "progress" in norm.steps and norm.lines == (1, 1) and norm.quote(norm.lines[1]) == BAR_KILLED
+    assert _top(BAR_KILLED) == "cpu-oom"
+    lines = _norm(BAR_TRACEBACK).text.split("\n")
+    assert lines[1] == "Traceback (most recent call last):" and lines[2].startswith('  File "/home/')
+    # a bar alone, or a bar with nothing after it but spaces, stays as it is
+    alone = [(1, " 50%|#####     | 5/10 [00:01<00:01,  3.1it/s]"), (2, "100%|##########| 10/10 [00:02<00:00] ")]
+    assert split_progress_bars(alone) == alone

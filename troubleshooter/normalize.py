@@ -22,6 +22,8 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    (``node-3: ``, its indentation kept), then ``[rankN]:``, ``[defaultN]:``, ``N:``, with two ranks'
    lines de-interleaved (each rank's lines together, in their order); then timestamps again (the
    library's own, after the rank prefix);
+3b. progress bars: what was printed after a tqdm bar on its line (``...it/s]Killed``) gets a line
+   of its own;
 4. error lines inside prose: ``... `RuntimeError: x` ...`` gets a line of its own starting with
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
@@ -293,6 +295,30 @@ def strip_timestamps(lines: list[_Line]) -> list[_Line]:
             for no, line in lines]
 
 
+# -- 3b. progress bars -------------------------------------------------------------------------
+
+#: A tqdm bar: ``38%|██▊     | 3/8 [00:02<00:03,  1.28it/s]`` (its closing ``]`` ends it).
+_PROGRESS_BAR = re.compile(r"\d{1,3}%\|[^|\n]{0,300}\|\s*[\d.]+[kMG]?/[\d.?]+[kMG]?\s*\[[^\]\n]{0,120}\]")
+
+
+def split_progress_bars(lines: list[_Line]) -> list[_Line]:
+    """What a program printed after a progress bar goes on a line of its own: tqdm redraws its bar
+    with a carriage return and no newline, so the next output (the shell's ``Killed``, a
+    ``Traceback``, a warning) is pasted on the bar's line: ``... 3/8 [00:02<00:03, 1.28it/s]Killed``."""
+    out: list[_Line] = []
+    for no, line in lines:
+        if "%|" not in line:
+            out.append((no, line))
+            continue
+        at = 0
+        for bar in _PROGRESS_BAR.finditer(line):
+            if line[bar.end():].strip():
+                out.append((no, line[at:bar.end()]))
+                at = bar.end()
+        out.append((no, line[at:]))
+    return out
+
+
 # -- 4. error lines in prose, inline Markdown --------------------------------------------------
 
 
@@ -395,7 +421,8 @@ _STEPS = (
     ("characters", fix_characters), ("hard-wrap", unwrap_hard_wrapped), ("markdown", undo_markdown_blocks),
     ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
     ("hosts", strip_host_prefixes),
-    ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
+    ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("progress", split_progress_bars),
+    ("prose", lift_errors_from_prose),
     ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
     ("spaces", squeeze_spaces), ("repeats", drop_repeats),
 )
