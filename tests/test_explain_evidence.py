@@ -9,6 +9,7 @@ names (a message cut, an error line replaced), said where it is done.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -386,3 +387,119 @@ def test_an_entry_that_explains_another_named_one_goes_first(tmp_path):
     bad.write_text(src.replace('explains = ["batch-arithmetic"]', 'explains = "batch-arithmetic"'))
     with pytest.raises(KnowledgeError, match="evidence.explains"):
         load_entry(bad)
+
+
+# -- round 3: what rules an entry in or out, from other public reports of the same problems ------
+
+#: Each library's refusal of a bf16 run on a GPU without bf16, as reports quote them:
+#: https://github.com/OptimalScale/LMFlow/issues/88 (title), https://github.com/salesforce/LAVIS/issues/91
+#: (the error line), https://github.com/vllm-project/vllm/issues/946 (title).
+BF16_REFUSALS = (
+    "ValueError: Your setup doesn't support bf16/gpu. You need torch>=1.10, using Ampere GPU with cuda>=11.0",
+    "RuntimeError: Current CUDA Device does not support bfloat16. Please switch dtype to float16.",
+    "ValueError: Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your Tesla "
+    "V100-SXM2-32GB GPU has compute capability 7.0.",
+)
+
+
+@pytest.mark.parametrize("line", BF16_REFUSALS)
+def test_a_bf16_run_refused_on_a_gpu_without_bf16_names_that_and_the_switch_to_fp16(line):
+    d = explain.explain_text(line)[0]
+    assert d.entry_id == "gpu-without-bf16" and "switch-to-fp16" in d.fix_ids
+
+
+#: NCCL's own allocation failing on a full GPU: https://github.com/NVIDIA/TensorRT-LLM/issues/1670 and
+#: https://github.com/NVIDIA/nccl/issues/1235 (one line each, verbatim).
+NCCL_OOM = ("VM-0-16-ubuntu:392:494 [2] enqueue.cc:43 NCCL WARN Cuda failure 'out of memory'",
+            "ng30903:3063028:3066152 [3] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'")
+#: https://github.com/pytorch/pytorch/issues/145369 (title, verbatim): a request no GPU could hold.
+OOM_1EB = "Error: torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate more than 1EB memory"
+
+
+def test_nccls_cuda_out_of_memory_is_a_cuda_oom_and_an_absurd_request_is_not():
+    assert all(_ids(line)[:1] == ["cuda-oom"] for line in NCCL_OOM)
+    assert _ids(NCCL_OOM[0].replace("out of memory", "invalid resource handle")) == []
+    # "more than 1EB" (or a six-digit GiB figure) is a corrupted size, not memory running short
+    assert "cuda-oom" not in _ids(OOM_1EB)
+    assert "cuda-oom" not in _ids(OOM_1EB.replace("more than 1EB memory", "131072.00 PiB"))
+    assert _ids(OOM_1EB.replace("more than 1EB memory", "20.00 MiB"))[:1] == ["cuda-oom"]
+
+
+#: https://github.com/deepspeedai/DeepSpeed/issues/3156 (the assertion and its message, verbatim):
+#: the AVAILABLE assertion on a parameter left INFLIGHT.
+INFLIGHT_ASSERT = ("    assert param.ds_status == ZeroParamStatus.AVAILABLE, param.ds_summary()\n"
+                   "AssertionError: {'id': 918, 'status': 'INFLIGHT', 'numel': 0, 'ds_numel': 5120, 'shape': (0,), "
+                   "'ds_shape': (5120,), 'requires_grad': False, 'grad_shape': None, 'persist': True, "
+                   "'active_sub_modules': {578}, 'ds_tensor.shape': torch.Size([1707])}")
+
+
+def test_the_available_assertion_on_an_inflight_parameter_is_the_inflight_entry_not_a_partitioned_one():
+    ids = _ids(INFLIGHT_ASSERT)
+    assert ids[:1] == ["zero3-inflight-params"] and "zero3-param-not-available" not in ids
+    not_available = INFLIGHT_ASSERT.replace("'INFLIGHT'", "'NOT_AVAILABLE'")
+    assert _ids(not_available)[:1] == ["zero3-param-not-available"]
+
+
+#: https://github.com/hiyouga/LlamaFactory/issues/3583 (the last frames, verbatim; the error line
+#: is the issue's title, which the excerpt cuts): ZeRO-3 offload's own unscale step mixes devices.
+DS_OWN_DEVICE_MISMATCH = '''  File "/usr/local/lib/python3.10/dist-packages/deepspeed/runtime/zero/stage3.py", line 2047, in step
+    self.unscale_and_clip_grads(sub_group_id, scaled_global_grad_norm)
+  File "/usr/local/lib/python3.10/dist-packages/deepspeed/utils/nvtx.py", line 15, in wrapped_fn
+    ret_val = func(*args, **kwargs)
+  File "/usr/local/lib/python3.10/dist-packages/deepspeed/runtime/zero/stage3.py", line 2117, in unscale_and_clip_grads
+    self.fp32_partitioned_groups_flat[sub_group_id].grad.mul_(1. / combined_scale)
+RuntimeError: Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu'''
+
+
+def test_a_device_mismatch_inside_deepspeeds_own_optimizer_is_not_a_stray_user_tensor():
+    assert "device-mismatch" not in _ids(DS_OWN_DEVICE_MISMATCH)
+    error = DS_OWN_DEVICE_MISMATCH.splitlines()[-1]
+    user = '  File "/home/me/model.py", line 40, in forward\n    h = self.proj(x) + self.bias\n' + error
+    assert _ids(user)[:1] == ["device-mismatch"]
+
+
+#: https://github.com/pytorch/pytorch/issues/48580 (the end of the traceback, verbatim): an EIO on
+#: torch.save that happens 1 time in 10; the thread found no full disk.
+EIO_SAVE = '''    torch.save(net.state_dict(), os.path.join(save_dir, 'params.pth'))
+  File "/anaconda/envs/bone_mets/lib/python3.7/site-packages/torch/serialization.py", line 328, in save
+    _legacy_save(obj, opened_file, pickle_module, pickle_protocol)
+  File "/anaconda/envs/bone_mets/lib/python3.7/site-packages/torch/serialization.py", line 196, in __exit__
+    self.file_like.close()
+OSError: [Errno 5] Input/output error'''
+#: https://github.com/pytorch/pytorch/issues/76108 (a commenter's conclusion, verbatim)
+DISK_WAS_FULL = "I was running into this as well. It was the case where my disk was full."
+
+
+def test_an_io_error_while_saving_is_a_full_disk_only_when_the_report_says_the_disk_was_full():
+    assert "checkpoint-disk-full" not in _ids(EIO_SAVE)
+    assert _ids(EIO_SAVE + "\n" + DISK_WAS_FULL)[:1] == ["checkpoint-disk-full"]
+    assert "checkpoint-disk-full" not in _ids(EIO_SAVE.replace("serialization.py", "loader.py")
+                                              .replace("torch.save", "json.dump") + "\n" + DISK_WAS_FULL)
+
+
+def _offload_refusal(optimizer: str) -> str:
+    """DeepSpeed 0.19.8's refusal (its f-string in the installed engine.py) of ``optimizer``."""
+    engine = Path(importlib.util.find_spec("deepspeed").origin).parent / "runtime" / "engine.py"
+    literal = re.search(r"f'(You are using ZeRO-Offload with a client provided optimizer[^'\n]*)'",
+                        engine.read_text()).group(1)
+    return "deepspeed.runtime.zero.utils.ZeRORuntimeException: " + literal.replace(
+        "{type(basic_optimizer)}", f"<class '{optimizer}'>")
+
+
+def test_deepspeeds_refusal_of_its_own_cpu_optimizer_is_not_the_missing_cpu_optimizer():
+    """The fix is DeepSpeed's CPU optimizer: when the refused one already is one (0.19.8's check
+    accepts CPUAdam and CPULion only, so CPUAdagrad is refused), the fix does not apply."""
+    torch_adamw = _offload_refusal("torch.optim.adamw.AdamW")
+    assert _ids(torch_adamw)[:1] == ["offload-needs-ds-cpu-optimizer"]
+    assert _ids(_offload_refusal("deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad")) == []
+
+
+#: https://github.com/zai-org/ChatGLM-6B/issues/7 (first line, verbatim): told in words.
+KILLED_IN_WORDS = "Loading checkpoint shards:  62%, then progress be killed"
+
+
+def test_a_process_said_in_words_to_be_killed_while_loading_weights_is_a_cpu_oom():
+    assert _ids(KILLED_IN_WORDS)[:1] == ["cpu-oom"]
+    assert _ids("Loading checkpoint shards:  62%, then it stopped") == []
+    # an error printed besides: that error is the report's, not this claim's
+    assert "cpu-oom" not in _ids(KILLED_IN_WORDS + "\n" + _fixture("real_zero3_shape0_linear.txt"))

@@ -108,6 +108,10 @@ def _from_sources() -> dict[str, list[str]]:
                                                      "checkpoint model/optimizer rank sets do not match")],
         "autoep-frozen-experts": [_source_message("deepspeed/checkpoint/ds_to_universal.py",
                                                   "AutoEP frozen expert parameters cannot be converted")],
+        # a bf16 run refused on a GPU without bf16, by each library that checks
+        "gpu-without-bf16": [_source_message("torch/amp/autocast_mode.py", "does not support bfloat16"),
+                             _source_message("transformers/training_args.py", "Your setup doesn't support bf16"),
+                             _source_message("deepspeed/runtime/engine.py", "Type bf16 is not supported")],
     }
 
 
