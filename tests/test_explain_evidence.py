@@ -503,3 +503,29 @@ def test_a_process_said_in_words_to_be_killed_while_loading_weights_is_a_cpu_oom
     assert _ids("Loading checkpoint shards:  62%, then it stopped") == []
     # an error printed besides: that error is the report's, not this claim's
     assert "cpu-oom" not in _ids(KILLED_IN_WORDS + "\n" + _fixture("real_zero3_shape0_linear.txt"))
+
+
+#: https://github.com/wtjiang98/PSGAN/issues/37 (the traceback, verbatim): a script's own 1-D
+#: tensor given to F.embedding, no DeepSpeed anywhere.
+PLAIN_WEIGHT_2D = r'''Traceback (most recent call last):
+  File "D:\test\PSGAN-master\demo.py", line 72, in <module>
+    main()
+  File "D:\test\PSGAN-master\demo.py", line 57, in main
+    image, face = inference.transfer(source, reference, with_face=True)
+  File "D:\test\PSGAN-master\faceutils\mask\main.py", line 37, in parse
+    parsing = torch.nn.functional.embedding(parsing, self.dic)
+  File "D:\test\PSGAN-master\venv\lib\site-packages\torch\nn\functional.py", line 2199, in embedding
+    return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)
+RuntimeError: 'weight' must be 2-D'''
+
+
+def test_a_whole_traceback_that_never_enters_deepspeed_is_no_zero3_placeholder():
+    ev = _facts(PLAIN_WEIGHT_2D)
+    assert ev.has("stack", "plain-torch") and "zero3-param-not-available" not in _ids(PLAIN_WEIGHT_2D)
+    # the same error alone (a title), or in a report that names DeepSpeed, keeps its ZeRO-3 reading
+    assert _ids(PLAIN_WEIGHT_2D.splitlines()[-1])[:1] == ["zero3-param-not-available"]
+    under_ds = "deepspeed --num_gpus 2 demo.py --deepspeed ds_z3.json\n" + PLAIN_WEIGHT_2D
+    assert not _facts(under_ds).has("stack", "plain-torch")
+    assert _ids(under_ds)[:1] == ["zero3-param-not-available"]
+    cut = "\n".join(PLAIN_WEIGHT_2D.splitlines()[5:])  # no <module> frame: not a whole call stack
+    assert not _facts(cut).has("stack", "plain-torch")
