@@ -529,3 +529,20 @@ def test_a_whole_traceback_that_never_enters_deepspeed_is_no_zero3_placeholder()
     assert _ids(under_ds)[:1] == ["zero3-param-not-available"]
     cut = "\n".join(PLAIN_WEIGHT_2D.splitlines()[5:])  # no <module> frame: not a whole call stack
     assert not _facts(cut).has("stack", "plain-torch")
+
+
+#: https://github.com/MRzzm/DINet/issues/57 (the error line, verbatim): torch.save's zip writer,
+#: pasted without the frames that show the save.
+STREAM_WRITER = ("RuntimeError: [enforce fail at inline_container.cc:471] . PytorchStreamWriter failed writing "
+                 "file data/77: file write failed")
+
+
+def test_torch_saves_own_short_write_is_a_full_disk_without_frames_and_torchs_cuda_home_wording_is_named():
+    d = explain.explain_text(STREAM_WRITER)[0]
+    assert d.entry_id == "checkpoint-disk-full" and d.evidence[0].startswith("claim: torch.save's zip writer")
+    assert _ids("RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 3264 vs 3156")[:1] == [
+        "checkpoint-disk-full"]
+    # a write error of another writer, without the save's frames, is not claimed
+    assert _ids("RuntimeError: write(): fd 29 failed with Input/output error") == []
+    home = "OSError: CUDA_HOME environment variable is not set. Please set it to your CUDA install root."
+    assert _ids(home)[:1] == ["cuda-home-missing"]
