@@ -546,3 +546,17 @@ def test_torch_saves_own_short_write_is_a_full_disk_without_frames_and_torchs_cu
     assert _ids("RuntimeError: write(): fd 29 failed with Input/output error") == []
     home = "OSError: CUDA_HOME environment variable is not set. Please set it to your CUDA install root."
     assert _ids(home)[:1] == ["cuda-home-missing"]
+
+
+#: https://github.com/liucongg/ChatGLM-Finetuning/issues/91 (the error line, verbatim): the op's
+#: library missing because its JIT build failed on an earlier run.
+SO_MISSING = ("ImportError: /root/.cache/torch_extensions/py310_cu116/fused_adam/fused_adam.so: cannot open shared "
+              "object file: No such file or directory")
+
+
+def test_a_deepspeed_ops_library_missing_from_the_extensions_cache_is_a_failed_build():
+    d = explain.explain_text(SO_MISSING)[0]
+    assert d.entry_id == "extension-build-error" and "delete-op-build-dir" in d.fix_ids
+    # another package's library, or a system library, is not a DeepSpeed op build
+    assert _ids(SO_MISSING.replace("fused_adam", "my_kernels")) == []
+    assert _ids("ImportError: libcudnn.so.8: cannot open shared object file: No such file or directory") == []
