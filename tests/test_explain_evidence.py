@@ -560,3 +560,26 @@ def test_a_deepspeed_ops_library_missing_from_the_extensions_cache_is_a_failed_b
     # another package's library, or a system library, is not a DeepSpeed op build
     assert _ids(SO_MISSING.replace("fused_adam", "my_kernels")) == []
     assert _ids("ImportError: libcudnn.so.8: cannot open shared object file: No such file or directory") == []
+
+
+#: https://github.com/idiap/ESLAM/issues/20 (title, verbatim) and
+#: https://github.com/zylo117/Yet-Another-EfficientDet-Pytorch/issues/147 (the error line): torch's
+#: shared-memory segment for a tensor a DataLoader worker sends, in a full /dev/shm.
+SHM_SEGMENT = ("RuntimeError: unable to write to file </torch_31911_952036340_6686>: No space left on device (28)",
+               "RuntimeError: unable to write to file </torch_74396_2983595444>")
+#: https://github.com/NVIDIA/nccl/issues/1410 (verbatim): NCCL's CUDA failure as torch's DistBackendError
+#: quotes it ("Last error:", then NCCL's CUDACHECK wording with the CUDA error's number).
+NCCL_CUDA_FAILURE = ("[rank7]: torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+                     "NCCLUtils.hpp:275, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version "
+                     "2.20.5\n[rank7]: ncclUnhandledCudaError: Call to CUDA function failed.\n[rank7]: Last error:\n"
+                     "[rank7]: Cuda failure 1 'invalid argument'")
+
+
+def test_torchs_shared_memory_segment_and_nccls_quoted_oom_and_a_generic_type_error():
+    assert all(_ids(line)[:1] == ["shm-too-small"] for line in SHM_SEGMENT)
+    assert _ids("RuntimeError: unable to write to file </tmp/run/ckpt.pt>") == []
+    assert _ids(NCCL_CUDA_FAILURE) == []  # another CUDA failure: not memory
+    assert _ids(NCCL_CUDA_FAILURE.replace("1 'invalid argument'", "2 'out of memory'"))[:1] == ["cuda-oom"]
+    # a comparison of a string with a number is any Python program's: alone it names no entry (the
+    # hf-auto-value symptom that starts with it notes where DeepSpeed raises it, in parentheses)
+    assert _ids("TypeError: '>' not supported between instances of 'str' and 'int'") == []
