@@ -583,3 +583,19 @@ def test_torchs_shared_memory_segment_and_nccls_quoted_oom_and_a_generic_type_er
     # a comparison of a string with a number is any Python program's: alone it names no entry (the
     # hf-auto-value symptom that starts with it notes where DeepSpeed raises it, in parentheses)
     assert _ids("TypeError: '>' not supported between instances of 'str' and 'int'") == []
+
+
+#: https://github.com/lllyasviel/Fooocus/issues/237 (the error line, verbatim): torch's CPU allocator
+#: in its Windows build.
+WINDOWS_HOST_OOM = (r"RuntimeError: [enforce fail at ..\c10\core\impl\alloc_cpu.cpp:72] data. DefaultCPUAllocator: "
+                    "not enough memory: you tried to allocate 26214400 bytes.")
+#: https://github.com/JingyunLiang/VRT/issues/49 (title, verbatim): the same on Linux.
+LINUX_HOST_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:73] . DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 116813856768 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_torchs_windows_cpu_allocator_wording_is_a_host_oom_without_the_dmesg_step():
+    d = explain.explain_text(WINDOWS_HOST_OOM)[0]
+    assert d.entry_id == "cpu-oom" and "confirm-with-dmesg" not in d.fix_ids and "no dmesg" in d.finding
+    linux = explain.explain_text(LINUX_HOST_OOM)[0]
+    assert linux.entry_id == "cpu-oom" and linux.fix_ids[0] == "confirm-with-dmesg"
