@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from troubleshooter import explain
+from troubleshooter import evidence, explain
 from troubleshooter.normalize import (
     drop_repeats,
     identifier_vocabulary,
     lift_errors_from_prose,
     normalize,
+    python_frames_from_notebooks,
     rejoin_wrapped,
     split_progress_bars,
     squeeze_spaces,
@@ -288,3 +289,39 @@ def test_what_was_printed_after_a_progress_bar_on_its_line_gets_a_line_of_its_ow
     # a bar alone, or a bar with nothing after it but spaces, stays as it is
     alone = [(1, " 50%|#####     | 5/10 [00:01<00:01,  3.1it/s]"), (2, "100%|##########| 10/10 [00:02<00:00] ")]
     assert split_progress_bars(alone) == alone
+
+
+# -- a traceback copied from Jupyter / IPython ----------------------------------------------------
+
+#: https://github.com/pytorch/pytorch/issues/76108 (the first frames and the error, verbatim): IPython 8's
+#: frame form, ``File <path>:<line>, in <qualified name>(<arguments>)``.
+NOTEBOOK_FRAMES = r"""RuntimeError                              Traceback (most recent call last)
+File ~\AppData\Local\Programs\Python\Python39\lib\site-packages\torch\serialization.py:380, in save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization)
+    379 with _open_zipfile_writer(opened_file) as opened_zipfile:
+--> 380     _save(obj, opened_zipfile, pickle_module, pickle_protocol)
+File ~\AppData\Local\Programs\Python\Python39\lib\site-packages\torch\serialization.py:604, in _save(obj, zip_file, pickle_module, pickle_protocol)
+--> 604 zip_file.write_record(name, storage.data_ptr(), num_bytes)
+
+RuntimeError: Could not allocate bytes object!"""
+#: https://github.com/zai-org/GLM-4-Voice/issues/114 (one frame line, verbatim): Jupyter's, the
+#: location a link.
+JUPYTER_LINK_FRAME = ("File [~/miniconda3/lib/python3.10/site-packages/torch/nn/modules/module.py:1736](http://region-3."
+                      "seetacloud.com:23008/jupyter/lab/tree/autodl-fs/~/miniconda3/lib/python3.10/site-packages/torch/nn/"
+                      "modules/module.py#line=1735), in Module._wrapped_call_impl(self, *args, **kwargs)")
+
+
+def test_frames_of_a_notebook_traceback_get_pythons_own_form_and_are_read_as_frames():
+    norm = _norm(NOTEBOOK_FRAMES)
+    assert "notebook-frames" in norm.steps
+    first = norm.text.split("\n")[1]
+    assert first.startswith('File "~\\AppData\\') and first.endswith('serialization.py", line 380, in save')
+    facts = evidence.collect(norm)
+    assert [f.value.rsplit("::", 1)[1] for f in facts.of("frame")] == ["save", "_save"]
+    assert facts.has("phase", "checkpoint-save")
+    assert python_frames_from_notebooks([(1, JUPYTER_LINK_FRAME)]) == [
+        (1, 'File "~/miniconda3/lib/python3.10/site-packages/torch/nn/modules/module.py", line 1736, '
+            'in _wrapped_call_impl')]
+    assert python_frames_from_notebooks([(3, "Cell In[4], line 7")]) == [(3, 'File "<cell In[4]>", line 7, in <module>')]
+    # Python's own frame lines and prose that mentions a file stay as they are
+    plain = [(1, '  File "/x/train.py", line 3, in <module>'), (2, "File train.py:12, it says, is where it fails")]
+    assert python_frames_from_notebooks(plain) == plain

@@ -24,6 +24,8 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    library's own, after the rank prefix);
 3b. progress bars: what was printed after a tqdm bar on its line (``...it/s]Killed``) gets a line
    of its own;
+3c. notebook tracebacks: IPython's and Jupyter's frames (``File ~/x.py:12, in f(...)``, ``Cell
+   In[4], line 7``) get Python's own form;
 4. error lines inside prose: ``... `RuntimeError: x` ...`` gets a line of its own starting with
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
@@ -319,6 +321,34 @@ def split_progress_bars(lines: list[_Line]) -> list[_Line]:
     return out
 
 
+# -- 3c. notebook tracebacks ------------------------------------------------------------------
+
+#: A frame as IPython 8 prints it: ``File ~/x/module.py:1747, in Module._call_impl(self, ...)``,
+#: in Jupyter with the location as a link: ``File [~/x/m.py:813](http://...), in Embedding.forward(...)``.
+_IPYTHON_FRAME = re.compile(r"^(?P<indent>\s*)File \[?(?P<path>[^\s\[\]()\"]+?\.py):(?P<line>\d+)\]?(?:\([^)\s]*\))?,"
+                            r" in (?P<func>[\w.<>]+)")
+#: The notebook cell a traceback starts in (IPython 8): ``Cell In[4], line 7``.
+_IPYTHON_CELL = re.compile(r"^(?P<indent>\s*)Cell (?P<cell>In ?\[\d*\]), line (?P<line>\d+)")
+
+
+def python_frames_from_notebooks(lines: list[_Line]) -> list[_Line]:
+    """Frames of a traceback copied from Jupyter or IPython get Python's own form, so they are read
+    as frames: ``File ~/x/module.py:1747, in Module._call_impl(self)`` becomes ``File
+    "~/x/module.py", line 1747, in _call_impl``; the cell it starts in (``Cell In[4], line 7``)
+    becomes the ``<module>`` frame it is."""
+    out = []
+    for no, line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith("File ") and ".py:" in line and (hit := _IPYTHON_FRAME.match(line)):
+            func = hit.group("func")
+            func = func if func.startswith("<") else func.rsplit(".", 1)[-1]
+            line = f'{hit.group("indent")}File "{hit.group("path")}", line {hit.group("line")}, in {func}'
+        elif stripped.startswith("Cell In") and (hit := _IPYTHON_CELL.match(line)):
+            line = f'{hit.group("indent")}File "<cell {hit.group("cell")}>", line {hit.group("line")}, in <module>'
+        out.append((no, line))
+    return out
+
+
 # -- 4. error lines in prose, inline Markdown --------------------------------------------------
 
 
@@ -422,7 +452,7 @@ _STEPS = (
     ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
     ("hosts", strip_host_prefixes),
     ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("progress", split_progress_bars),
-    ("prose", lift_errors_from_prose),
+    ("notebook-frames", python_frames_from_notebooks), ("prose", lift_errors_from_prose),
     ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
     ("spaces", squeeze_spaces), ("repeats", drop_repeats),
 )
