@@ -21,6 +21,7 @@ from troubleshooter.normalize import (
     lift_errors_from_prose,
     normalize,
     python_frames_from_notebooks,
+    python_frames_from_rich_boxes,
     rejoin_wrapped,
     split_progress_bars,
     squeeze_spaces,
@@ -325,3 +326,27 @@ def test_frames_of_a_notebook_traceback_get_pythons_own_form_and_are_read_as_fra
     # Python's own frame lines and prose that mentions a file stay as they are
     plain = [(1, '  File "/x/train.py", line 3, in <module>'), (2, "File train.py:12, it says, is where it fails")]
     assert python_frames_from_notebooks(plain) == plain
+
+
+
+#: https://github.com/zai-org/GLM-4/issues/271 (four rows, verbatim): a traceback rich drew in a box,
+#: rank-prefixed, the second frame wrapped before its function's name.
+RICH_ROWS = """[rank0]: │ /opt/conda/envs/GLM4/lib/python3.10/site-packages/torch/nn/modules/module.py:1541 in _call_impl  │
+[rank0]: │                                                                                                  │
+[rank0]: │ /root/.cache/huggingface/modules/transformers_modules/glm-4-9b-chat/modeling_chatglm.py:823 in   │
+[rank0]: │ forward                                                                                          │
+RuntimeError: 'weight' must be 2-D"""
+
+
+def test_frames_of_a_traceback_rich_drew_in_a_box_get_pythons_own_form():
+    norm = _norm(RICH_ROWS)
+    assert "rich-frames" in norm.steps and "hard-wrap" not in norm.steps
+    frames = [f.value for f in evidence.collect(norm).of("frame")]
+    assert frames == ["/opt/conda/envs/GLM4/lib/python3.10/site-packages/torch/nn/modules/module.py::_call_impl",
+                      "/root/.cache/huggingface/modules/transformers_modules/glm-4-9b-chat/modeling_chatglm.py::forward"]
+    # rich also wraps a frame before its line number (a narrow box); the box's edges go
+    narrow = [(1, "╭──── Traceback (most recent call last) ────╮"), (2, "│ /opt/x/deepspeed/runtime/config.py: │"),
+              (3, "│ 891 in _batch_assertion             │"), (4, "╰─────────────────────────────────────╯")]
+    assert python_frames_from_rich_boxes(narrow) == [
+        (1, "Traceback (most recent call last):"),
+        (2, '  File "/opt/x/deepspeed/runtime/config.py", line 891, in _batch_assertion')]
