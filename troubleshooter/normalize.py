@@ -334,6 +334,12 @@ _IPYTHON_FRAME = re.compile(r"^(?P<indent>\s*)File \[?(?P<path>[^\s\[\]()\"]+?\.
 _IPYTHON_CELL = re.compile(r"^(?P<indent>\s*)Cell (?P<cell>In ?\[\d*\]), line (?P<line>\d+)")
 
 
+def _py_frame(path: str, line: str, func: str, indent: str = "  ") -> str:
+    """A frame line in Python's own form; a qualified name (``Module._call_impl``) is cut to the
+    function's own name, as Python prints it."""
+    return f'{indent}File "{path}", line {line}, in {func if func.startswith("<") else func.rsplit(".", 1)[-1]}'
+
+
 def python_frames_from_notebooks(lines: list[_Line]) -> list[_Line]:
     """Frames of a traceback copied from Jupyter or IPython get Python's own form, so they are read
     as frames: ``File ~/x/module.py:1747, in Module._call_impl(self)`` becomes ``File
@@ -343,11 +349,9 @@ def python_frames_from_notebooks(lines: list[_Line]) -> list[_Line]:
     for no, line in lines:
         stripped = line.lstrip()
         if stripped.startswith("File ") and ".py:" in line and (hit := _IPYTHON_FRAME.match(line)):
-            func = hit.group("func")
-            func = func if func.startswith("<") else func.rsplit(".", 1)[-1]
-            line = f'{hit.group("indent")}File "{hit.group("path")}", line {hit.group("line")}, in {func}'
+            line = _py_frame(hit.group("path"), hit.group("line"), hit.group("func"), hit.group("indent"))
         elif stripped.startswith("Cell In") and (hit := _IPYTHON_CELL.match(line)):
-            line = f'{hit.group("indent")}File "<cell {hit.group("cell")}>", line {hit.group("line")}, in <module>'
+            line = _py_frame(f"<cell {hit.group('cell')}>", hit.group("line"), "<module>", hit.group("indent"))
         out.append((no, line))
     return out
 
@@ -360,10 +364,6 @@ _RICH_ROW = re.compile(r"^\s*\u2502 ?(?P<content>.*?)\s*\u2502?\s*$")
 _RICH_FRAME = re.compile(r"^(?P<path>(?:[~/.]|[A-Za-z]:[\\/])\S*\.py):(?P<line>\d+) in(?: (?P<func>[\w.<>]+))?$")
 #: A row that ends where rich wrapped a frame before its line number: ``/x/deepspeed/runtime/config.py:``.
 _RICH_PATH_END = re.compile(r"^(?:[~/.]|[A-Za-z]:[\\/])\S*\.py:$")
-
-
-def _py_frame(path: str, line: str, func: str) -> str:
-    return f'  File "{path}", line {line}, in {func if func.startswith("<") else func.rsplit(".", 1)[-1]}'
 
 
 def python_frames_from_rich_boxes(lines: list[_Line]) -> list[_Line]:
