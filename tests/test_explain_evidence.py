@@ -9,6 +9,7 @@ names (a message cut, an error line replaced), said where it is done.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -386,3 +387,215 @@ def test_an_entry_that_explains_another_named_one_goes_first(tmp_path):
     bad.write_text(src.replace('explains = ["batch-arithmetic"]', 'explains = "batch-arithmetic"'))
     with pytest.raises(KnowledgeError, match="evidence.explains"):
         load_entry(bad)
+
+
+# -- round 3: what rules an entry in or out, from other public reports of the same problems ------
+
+#: Each library's refusal of a bf16 run on a GPU without bf16, as reports quote them:
+#: https://github.com/OptimalScale/LMFlow/issues/88 (title), https://github.com/salesforce/LAVIS/issues/91
+#: (the error line), https://github.com/vllm-project/vllm/issues/946 (title).
+BF16_REFUSALS = (
+    "ValueError: Your setup doesn't support bf16/gpu. You need torch>=1.10, using Ampere GPU with cuda>=11.0",
+    "RuntimeError: Current CUDA Device does not support bfloat16. Please switch dtype to float16.",
+    "ValueError: Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your Tesla "
+    "V100-SXM2-32GB GPU has compute capability 7.0.",
+)
+
+
+@pytest.mark.parametrize("line", BF16_REFUSALS)
+def test_a_bf16_run_refused_on_a_gpu_without_bf16_names_that_and_the_switch_to_fp16(line):
+    d = explain.explain_text(line)[0]
+    assert d.entry_id == "gpu-without-bf16" and "switch-to-fp16" in d.fix_ids
+
+
+#: NCCL's own allocation failing on a full GPU: https://github.com/NVIDIA/TensorRT-LLM/issues/1670 and
+#: https://github.com/NVIDIA/nccl/issues/1235 (one line each, verbatim).
+NCCL_OOM = ("VM-0-16-ubuntu:392:494 [2] enqueue.cc:43 NCCL WARN Cuda failure 'out of memory'",
+            "ng30903:3063028:3066152 [3] include/alloc.h:178 NCCL WARN Cuda failure 'out of memory'")
+#: https://github.com/pytorch/pytorch/issues/145369 (title, verbatim): a request no GPU could hold.
+OOM_1EB = "Error: torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate more than 1EB memory"
+
+
+def test_nccls_cuda_out_of_memory_is_a_cuda_oom_and_an_absurd_request_is_not():
+    assert all(_ids(line)[:1] == ["cuda-oom"] for line in NCCL_OOM)
+    assert _ids(NCCL_OOM[0].replace("out of memory", "invalid resource handle")) == []
+    # "more than 1EB" (or a six-digit GiB figure) is a corrupted size, not memory running short
+    assert "cuda-oom" not in _ids(OOM_1EB)
+    assert "cuda-oom" not in _ids(OOM_1EB.replace("more than 1EB memory", "131072.00 PiB"))
+    assert _ids(OOM_1EB.replace("more than 1EB memory", "20.00 MiB"))[:1] == ["cuda-oom"]
+
+
+#: https://github.com/deepspeedai/DeepSpeed/issues/3156 (the assertion and its message, verbatim):
+#: the AVAILABLE assertion on a parameter left INFLIGHT.
+INFLIGHT_ASSERT = ("    assert param.ds_status == ZeroParamStatus.AVAILABLE, param.ds_summary()\n"
+                   "AssertionError: {'id': 918, 'status': 'INFLIGHT', 'numel': 0, 'ds_numel': 5120, 'shape': (0,), "
+                   "'ds_shape': (5120,), 'requires_grad': False, 'grad_shape': None, 'persist': True, "
+                   "'active_sub_modules': {578}, 'ds_tensor.shape': torch.Size([1707])}")
+
+
+def test_the_available_assertion_on_an_inflight_parameter_is_the_inflight_entry_not_a_partitioned_one():
+    ids = _ids(INFLIGHT_ASSERT)
+    assert ids[:1] == ["zero3-inflight-params"] and "zero3-param-not-available" not in ids
+    not_available = INFLIGHT_ASSERT.replace("'INFLIGHT'", "'NOT_AVAILABLE'")
+    assert _ids(not_available)[:1] == ["zero3-param-not-available"]
+
+
+#: https://github.com/hiyouga/LlamaFactory/issues/3583 (the last frames, verbatim; the error line
+#: is the issue's title, which the excerpt cuts): ZeRO-3 offload's own unscale step mixes devices.
+DS_OWN_DEVICE_MISMATCH = '''  File "/usr/local/lib/python3.10/dist-packages/deepspeed/runtime/zero/stage3.py", line 2047, in step
+    self.unscale_and_clip_grads(sub_group_id, scaled_global_grad_norm)
+  File "/usr/local/lib/python3.10/dist-packages/deepspeed/utils/nvtx.py", line 15, in wrapped_fn
+    ret_val = func(*args, **kwargs)
+  File "/usr/local/lib/python3.10/dist-packages/deepspeed/runtime/zero/stage3.py", line 2117, in unscale_and_clip_grads
+    self.fp32_partitioned_groups_flat[sub_group_id].grad.mul_(1. / combined_scale)
+RuntimeError: Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu'''
+
+
+def test_a_device_mismatch_inside_deepspeeds_own_optimizer_is_not_a_stray_user_tensor():
+    assert "device-mismatch" not in _ids(DS_OWN_DEVICE_MISMATCH)
+    error = DS_OWN_DEVICE_MISMATCH.splitlines()[-1]
+    user = '  File "/home/me/model.py", line 40, in forward\n    h = self.proj(x) + self.bias\n' + error
+    assert _ids(user)[:1] == ["device-mismatch"]
+
+
+#: https://github.com/pytorch/pytorch/issues/48580 (the end of the traceback, verbatim): an EIO on
+#: torch.save that happens 1 time in 10; the thread found no full disk.
+EIO_SAVE = '''    torch.save(net.state_dict(), os.path.join(save_dir, 'params.pth'))
+  File "/anaconda/envs/bone_mets/lib/python3.7/site-packages/torch/serialization.py", line 328, in save
+    _legacy_save(obj, opened_file, pickle_module, pickle_protocol)
+  File "/anaconda/envs/bone_mets/lib/python3.7/site-packages/torch/serialization.py", line 196, in __exit__
+    self.file_like.close()
+OSError: [Errno 5] Input/output error'''
+#: https://github.com/pytorch/pytorch/issues/76108 (a commenter's conclusion, verbatim)
+DISK_WAS_FULL = "I was running into this as well. It was the case where my disk was full."
+
+
+def test_an_io_error_while_saving_is_a_full_disk_only_when_the_report_says_the_disk_was_full():
+    assert "checkpoint-disk-full" not in _ids(EIO_SAVE)
+    assert _ids(EIO_SAVE + "\n" + DISK_WAS_FULL)[:1] == ["checkpoint-disk-full"]
+    assert "checkpoint-disk-full" not in _ids(EIO_SAVE.replace("serialization.py", "loader.py")
+                                              .replace("torch.save", "json.dump") + "\n" + DISK_WAS_FULL)
+
+
+def _offload_refusal(optimizer: str) -> str:
+    """DeepSpeed 0.19.8's refusal (its f-string in the installed engine.py) of ``optimizer``."""
+    engine = Path(importlib.util.find_spec("deepspeed").origin).parent / "runtime" / "engine.py"
+    literal = re.search(r"f'(You are using ZeRO-Offload with a client provided optimizer[^'\n]*)'",
+                        engine.read_text()).group(1)
+    return "deepspeed.runtime.zero.utils.ZeRORuntimeException: " + literal.replace(
+        "{type(basic_optimizer)}", f"<class '{optimizer}'>")
+
+
+def test_deepspeeds_refusal_of_its_own_cpu_optimizer_is_not_the_missing_cpu_optimizer():
+    """The fix is DeepSpeed's CPU optimizer: when the refused one already is one (0.19.8's check
+    accepts CPUAdam and CPULion only, so CPUAdagrad is refused), the fix does not apply."""
+    torch_adamw = _offload_refusal("torch.optim.adamw.AdamW")
+    assert _ids(torch_adamw)[:1] == ["offload-needs-ds-cpu-optimizer"]
+    assert _ids(_offload_refusal("deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad")) == []
+
+
+#: https://github.com/zai-org/ChatGLM-6B/issues/7 (first line, verbatim): told in words.
+KILLED_IN_WORDS = "Loading checkpoint shards:  62%, then progress be killed"
+
+
+def test_a_process_said_in_words_to_be_killed_while_loading_weights_is_a_cpu_oom():
+    assert _ids(KILLED_IN_WORDS)[:1] == ["cpu-oom"]
+    assert _ids("Loading checkpoint shards:  62%, then it stopped") == []
+    # an error printed besides: that error is the report's, not this claim's
+    assert "cpu-oom" not in _ids(KILLED_IN_WORDS + "\n" + _fixture("real_zero3_shape0_linear.txt"))
+
+
+#: https://github.com/wtjiang98/PSGAN/issues/37 (the traceback, verbatim): a script's own 1-D
+#: tensor given to F.embedding, no DeepSpeed anywhere.
+PLAIN_WEIGHT_2D = r'''Traceback (most recent call last):
+  File "D:\test\PSGAN-master\demo.py", line 72, in <module>
+    main()
+  File "D:\test\PSGAN-master\demo.py", line 57, in main
+    image, face = inference.transfer(source, reference, with_face=True)
+  File "D:\test\PSGAN-master\faceutils\mask\main.py", line 37, in parse
+    parsing = torch.nn.functional.embedding(parsing, self.dic)
+  File "D:\test\PSGAN-master\venv\lib\site-packages\torch\nn\functional.py", line 2199, in embedding
+    return torch.embedding(weight, input, padding_idx, scale_grad_by_freq, sparse)
+RuntimeError: 'weight' must be 2-D'''
+
+
+def test_a_whole_traceback_that_never_enters_deepspeed_is_no_zero3_placeholder():
+    ev = _facts(PLAIN_WEIGHT_2D)
+    assert ev.has("stack", "plain-torch") and "zero3-param-not-available" not in _ids(PLAIN_WEIGHT_2D)
+    # the same error alone (a title), or in a report that names DeepSpeed, keeps its ZeRO-3 reading
+    assert _ids(PLAIN_WEIGHT_2D.splitlines()[-1])[:1] == ["zero3-param-not-available"]
+    under_ds = "deepspeed --num_gpus 2 demo.py --deepspeed ds_z3.json\n" + PLAIN_WEIGHT_2D
+    assert not _facts(under_ds).has("stack", "plain-torch")
+    assert _ids(under_ds)[:1] == ["zero3-param-not-available"]
+    cut = "\n".join(PLAIN_WEIGHT_2D.splitlines()[5:])  # no <module> frame: not a whole call stack
+    assert not _facts(cut).has("stack", "plain-torch")
+
+
+#: https://github.com/MRzzm/DINet/issues/57 (the error line, verbatim): torch.save's zip writer,
+#: pasted without the frames that show the save.
+STREAM_WRITER = ("RuntimeError: [enforce fail at inline_container.cc:471] . PytorchStreamWriter failed writing "
+                 "file data/77: file write failed")
+
+
+def test_torch_saves_own_short_write_is_a_full_disk_without_frames_and_torchs_cuda_home_wording_is_named():
+    d = explain.explain_text(STREAM_WRITER)[0]
+    assert d.entry_id == "checkpoint-disk-full" and d.evidence[0].startswith("claim: torch.save's zip writer")
+    assert _ids("RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 3264 vs 3156")[:1] == [
+        "checkpoint-disk-full"]
+    # a write error of another writer, without the save's frames, is not claimed
+    assert _ids("RuntimeError: write(): fd 29 failed with Input/output error") == []
+    home = "OSError: CUDA_HOME environment variable is not set. Please set it to your CUDA install root."
+    assert _ids(home)[:1] == ["cuda-home-missing"]
+
+
+#: https://github.com/liucongg/ChatGLM-Finetuning/issues/91 (the error line, verbatim): the op's
+#: library missing because its JIT build failed on an earlier run.
+SO_MISSING = ("ImportError: /root/.cache/torch_extensions/py310_cu116/fused_adam/fused_adam.so: cannot open shared "
+              "object file: No such file or directory")
+
+
+def test_a_deepspeed_ops_library_missing_from_the_extensions_cache_is_a_failed_build():
+    d = explain.explain_text(SO_MISSING)[0]
+    assert d.entry_id == "extension-build-error" and "delete-op-build-dir" in d.fix_ids
+    # another package's library, or a system library, is not a DeepSpeed op build
+    assert _ids(SO_MISSING.replace("fused_adam", "my_kernels")) == []
+    assert _ids("ImportError: libcudnn.so.8: cannot open shared object file: No such file or directory") == []
+
+
+#: https://github.com/idiap/ESLAM/issues/20 (title, verbatim) and
+#: https://github.com/zylo117/Yet-Another-EfficientDet-Pytorch/issues/147 (the error line): torch's
+#: shared-memory segment for a tensor a DataLoader worker sends, in a full /dev/shm.
+SHM_SEGMENT = ("RuntimeError: unable to write to file </torch_31911_952036340_6686>: No space left on device (28)",
+               "RuntimeError: unable to write to file </torch_74396_2983595444>")
+#: https://github.com/NVIDIA/nccl/issues/1410 (verbatim): NCCL's CUDA failure as torch's DistBackendError
+#: quotes it ("Last error:", then NCCL's CUDACHECK wording with the CUDA error's number).
+NCCL_CUDA_FAILURE = ("[rank7]: torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+                     "NCCLUtils.hpp:275, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version "
+                     "2.20.5\n[rank7]: ncclUnhandledCudaError: Call to CUDA function failed.\n[rank7]: Last error:\n"
+                     "[rank7]: Cuda failure 1 'invalid argument'")
+
+
+def test_torchs_shared_memory_segment_and_nccls_quoted_oom_and_a_generic_type_error():
+    assert all(_ids(line)[:1] == ["shm-too-small"] for line in SHM_SEGMENT)
+    assert _ids("RuntimeError: unable to write to file </tmp/run/ckpt.pt>") == []
+    assert _ids(NCCL_CUDA_FAILURE) == []  # another CUDA failure: not memory
+    assert _ids(NCCL_CUDA_FAILURE.replace("1 'invalid argument'", "2 'out of memory'"))[:1] == ["cuda-oom"]
+    # a comparison of a string with a number is any Python program's: alone it names no entry (the
+    # hf-auto-value symptom that starts with it notes where DeepSpeed raises it, in parentheses)
+    assert _ids("TypeError: '>' not supported between instances of 'str' and 'int'") == []
+
+
+#: https://github.com/lllyasviel/Fooocus/issues/237 (the error line, verbatim): torch's CPU allocator
+#: in its Windows build.
+WINDOWS_HOST_OOM = (r"RuntimeError: [enforce fail at ..\c10\core\impl\alloc_cpu.cpp:72] data. DefaultCPUAllocator: "
+                    "not enough memory: you tried to allocate 26214400 bytes.")
+#: https://github.com/JingyunLiang/VRT/issues/49 (title, verbatim): the same on Linux.
+LINUX_HOST_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:73] . DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 116813856768 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_torchs_windows_cpu_allocator_wording_is_a_host_oom_without_the_dmesg_step():
+    d = explain.explain_text(WINDOWS_HOST_OOM)[0]
+    assert d.entry_id == "cpu-oom" and "confirm-with-dmesg" not in d.fix_ids and "no dmesg" in d.finding
+    linux = explain.explain_text(LINUX_HOST_OOM)[0]
+    assert linux.entry_id == "cpu-oom" and linux.fix_ids[0] == "confirm-with-dmesg"

@@ -85,10 +85,11 @@ def _site_packages() -> Path:
 
 
 def _source_message(relpath: str, start: str, **values: str) -> str:
-    """The string literal containing ``start`` in an installed library's source, with its
-    f-string placeholders filled from ``values`` (by expression text) or with "7"."""
+    """The string literal (in double quotes, else in single ones) containing ``start`` in an installed
+    library's source, with its f-string placeholders filled from ``values`` (by expression text) or with "7"."""
     source = (_site_packages() / relpath).read_text()
-    literal = re.search(r'"([^"\n]*' + re.escape(start) + r'[^"\n]*)"', source).group(1)
+    literal = next(hit.group(1) for quote in '"\'' if (hit := re.search(
+        quote + "([^" + quote + "\\n]*" + re.escape(start) + "[^" + quote + "\\n]*)" + quote, source)))
     return re.sub(r"\{([^}]*)\}", lambda m: values.get(m.group(1), "7"), literal)
 
 
@@ -102,12 +103,17 @@ def _from_sources() -> dict[str, list[str]]:
         "lightning-gradient-accumulation": [_source_message("lightning/pytorch/strategies/deepspeed.py",
                                                             "Do not set `gradient_accumulation_steps`")],
         "cuda-home-missing": [_source_message("deepspeed/ops/op_builder/builder.py", "Unable to run {nvcc}",
-                                              nvcc="/usr/local/cuda/bin/nvcc")],
+                                              nvcc="/usr/local/cuda/bin/nvcc"),
+                              _source_message("torch/utils/cpp_extension.py", "CUDA_HOME environment variable")],
         "native-moe-gating-assert": [_source_message("deepspeed/moe/sharded_moe.py", "No. of tokens (batch-size)")],
         "ds-to-universal-mismatch": [_source_message("deepspeed/checkpoint/ds_to_universal.py",
                                                      "checkpoint model/optimizer rank sets do not match")],
         "autoep-frozen-experts": [_source_message("deepspeed/checkpoint/ds_to_universal.py",
                                                   "AutoEP frozen expert parameters cannot be converted")],
+        # a bf16 run refused on a GPU without bf16, by each library that checks
+        "gpu-without-bf16": [_source_message("torch/amp/autocast_mode.py", "does not support bfloat16"),
+                             _source_message("transformers/training_args.py", "Your setup doesn't support bf16"),
+                             _source_message("deepspeed/runtime/engine.py", "Type bf16 is not supported")],
     }
 
 

@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from troubleshooter import explain
+from troubleshooter import evidence, explain
 from troubleshooter.normalize import (
     drop_repeats,
     identifier_vocabulary,
     lift_errors_from_prose,
     normalize,
+    python_frames_from_notebooks,
+    python_frames_from_rich_boxes,
     rejoin_wrapped,
+    split_progress_bars,
     squeeze_spaces,
     strip_rank_prefixes,
     unwrap_hard_wrapped,
@@ -264,3 +267,86 @@ def test_lines_a_terminal_cut_at_one_width_are_joined_back_without_a_space():
     assert unwrap_hard_wrapped([(i, "-" * 80) for i in range(5)]) == [(i, "-" * 80) for i in range(5)]
     prose = [(1, "a" * 70), (2, "b" * 70), (3, "short")]
     assert unwrap_hard_wrapped(prose) == prose
+
+
+# -- output printed on a progress bar's line -----------------------------------------------------
+
+#: https://github.com/eosphoros-ai/DB-GPT/issues/63 (the issue's title, verbatim): the shell's
+#: "Killed" on the line of the bar it interrupted (tqdm redraws with a carriage return, no newline)
+BAR_KILLED = "Loading checkpoint shards: 0%| | 0/2 [00:00<?, ?it/s]Killed"
+#: https://github.com/baichuan-inc/Baichuan2/issues/131 (its first two lines; the bar's run of
+#: spaces shortened): the traceback's first line on the bar's line
+BAR_TRACEBACK = ("  0%|          | 0/6896 [00:00<?, ?it/s]Traceback (most recent call last):\n"
+                 '  File "/home/featurize/work/Baichuan2-main/fine-tune/fine-tune.py", line 153, in <module>')
+
+
+def test_what_was_printed_after_a_progress_bar_on_its_line_gets_a_line_of_its_own():
+    norm = _norm(BAR_KILLED)
+    assert norm.text.split("\n") == ["Loading checkpoint shards: 0%| | 0/2 [00:00<?, ?it/s]", "Killed"]
+    assert "progress" in norm.steps and norm.lines == (1, 1) and norm.quote(norm.lines[1]) == BAR_KILLED
+    assert _top(BAR_KILLED) == "cpu-oom"
+    lines = _norm(BAR_TRACEBACK).text.split("\n")
+    assert lines[1] == "Traceback (most recent call last):" and lines[2].startswith('  File "/home/')
+    # a bar alone, or a bar with nothing after it but spaces, stays as it is
+    alone = [(1, " 50%|#####     | 5/10 [00:01<00:01,  3.1it/s]"), (2, "100%|##########| 10/10 [00:02<00:00] ")]
+    assert split_progress_bars(alone) == alone
+
+
+# -- a traceback copied from Jupyter / IPython ----------------------------------------------------
+
+#: https://github.com/pytorch/pytorch/issues/76108 (the first frames and the error, verbatim): IPython 8's
+#: frame form, ``File <path>:<line>, in <qualified name>(<arguments>)``.
+NOTEBOOK_FRAMES = r"""RuntimeError                              Traceback (most recent call last)
+File ~\AppData\Local\Programs\Python\Python39\lib\site-packages\torch\serialization.py:380, in save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization)
+    379 with _open_zipfile_writer(opened_file) as opened_zipfile:
+--> 380     _save(obj, opened_zipfile, pickle_module, pickle_protocol)
+File ~\AppData\Local\Programs\Python\Python39\lib\site-packages\torch\serialization.py:604, in _save(obj, zip_file, pickle_module, pickle_protocol)
+--> 604 zip_file.write_record(name, storage.data_ptr(), num_bytes)
+
+RuntimeError: Could not allocate bytes object!"""
+#: https://github.com/zai-org/GLM-4-Voice/issues/114 (one frame line, verbatim): Jupyter's, the
+#: location a link.
+JUPYTER_LINK_FRAME = ("File [~/miniconda3/lib/python3.10/site-packages/torch/nn/modules/module.py:1736](http://region-3."
+                      "seetacloud.com:23008/jupyter/lab/tree/autodl-fs/~/miniconda3/lib/python3.10/site-packages/torch/nn/"
+                      "modules/module.py#line=1735), in Module._wrapped_call_impl(self, *args, **kwargs)")
+
+
+def test_frames_of_a_notebook_traceback_get_pythons_own_form_and_are_read_as_frames():
+    norm = _norm(NOTEBOOK_FRAMES)
+    assert "notebook-frames" in norm.steps
+    first = norm.text.split("\n")[1]
+    assert first.startswith('File "~\\AppData\\') and first.endswith('serialization.py", line 380, in save')
+    facts = evidence.collect(norm)
+    assert [f.value.rsplit("::", 1)[1] for f in facts.of("frame")] == ["save", "_save"]
+    assert facts.has("phase", "checkpoint-save")
+    assert python_frames_from_notebooks([(1, JUPYTER_LINK_FRAME)]) == [
+        (1, 'File "~/miniconda3/lib/python3.10/site-packages/torch/nn/modules/module.py", line 1736, '
+            'in _wrapped_call_impl')]
+    assert python_frames_from_notebooks([(3, "Cell In[4], line 7")]) == [(3, 'File "<cell In[4]>", line 7, in <module>')]
+    # Python's own frame lines and prose that mentions a file stay as they are
+    plain = [(1, '  File "/x/train.py", line 3, in <module>'), (2, "File train.py:12, it says, is where it fails")]
+    assert python_frames_from_notebooks(plain) == plain
+
+
+
+#: https://github.com/zai-org/GLM-4/issues/271 (four rows, verbatim): a traceback rich drew in a box,
+#: rank-prefixed, the second frame wrapped before its function's name.
+RICH_ROWS = """[rank0]: │ /opt/conda/envs/GLM4/lib/python3.10/site-packages/torch/nn/modules/module.py:1541 in _call_impl  │
+[rank0]: │                                                                                                  │
+[rank0]: │ /root/.cache/huggingface/modules/transformers_modules/glm-4-9b-chat/modeling_chatglm.py:823 in   │
+[rank0]: │ forward                                                                                          │
+RuntimeError: 'weight' must be 2-D"""
+
+
+def test_frames_of_a_traceback_rich_drew_in_a_box_get_pythons_own_form():
+    norm = _norm(RICH_ROWS)
+    assert "rich-frames" in norm.steps and "hard-wrap" not in norm.steps
+    frames = [f.value for f in evidence.collect(norm).of("frame")]
+    assert frames == ["/opt/conda/envs/GLM4/lib/python3.10/site-packages/torch/nn/modules/module.py::_call_impl",
+                      "/root/.cache/huggingface/modules/transformers_modules/glm-4-9b-chat/modeling_chatglm.py::forward"]
+    # rich also wraps a frame before its line number (a narrow box); the box's edges go
+    narrow = [(1, "╭──── Traceback (most recent call last) ────╮"), (2, "│ /opt/x/deepspeed/runtime/config.py: │"),
+              (3, "│ 891 in _batch_assertion             │"), (4, "╰─────────────────────────────────────╯")]
+    assert python_frames_from_rich_boxes(narrow) == [
+        (1, "Traceback (most recent call last):"),
+        (2, '  File "/opt/x/deepspeed/runtime/config.py", line 891, in _batch_assertion')]

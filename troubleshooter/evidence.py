@@ -14,7 +14,9 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   config printout);
 * ``stack``: what ran: ``deepspeed``, ``zero-1``/``zero-2``/``zero-3``, ``lightning``,
   ``transformers``, ``torchrun``, ``nccl``, ``gloo``, ``fp16``, ``bf16``, ``offload``, ``moe``,
-  ``windows`` (the platform, not under WSL);
+  ``windows`` (the platform, not under WSL), ``plain-torch`` (a whole call stack from the
+  script's entry that never enters DeepSpeed, Accelerate, Transformers, PEFT, TRL or Lightning,
+  in a report that names none of them);
 * ``phase``: where it failed: ``backward``, ``forward``, ``optimizer-step``, ``initialize``,
   ``checkpoint-save``, ``checkpoint-load``, ``build``;
 * ``number``: numbers with a meaning: ``shape-zero`` (a size-0 tensor in an error message),
@@ -73,6 +75,11 @@ _STACK = (
                            r"|\bwin(?:10|11|32|_amd64)\b|\b[A-Z]:\\(?:Users|Program Files|ProgramData|Windows)\\"
                            r"|\b[A-Z]:/(?:Users|Program Files|ProgramData|Windows)/", re.I)),
 )
+#: Stack facts that say the model ran under a library that partitions or wraps it (or a launcher).
+_WRAPPERS = frozenset({"deepspeed", "zero-1", "zero-2", "zero-3", "lightning", "transformers", "accelerate",
+                       "torchrun"})
+_WRAPPER_FRAME = re.compile(r"(?:^|[/\\])(?:deepspeed|accelerate|transformers|peft|trl|lightning|pytorch_lightning"
+                            r"|megatron|lightning_zeromoe)[/\\]", re.I)
 #: A Linux build running on Windows: the "windows" stack fact is not emitted.
 _WSL = re.compile(r"\bWSL2?\b|subsystem for linux", re.I)
 _PHASES = (
@@ -213,6 +220,17 @@ def _first(pattern: re.Pattern[str], norm: Normalized) -> int | None:
     return None if hit is None else hit.start()
 
 
+def _plain_torch(names: set[str], frames: list[Fact]) -> Fact | None:
+    """The ``plain-torch`` fact: the report holds a whole call stack, from the script's entry
+    (a ``<module>`` frame) to the error, none of whose frames is in a library that partitions or
+    wraps the model (DeepSpeed, Accelerate, Transformers, PEFT, TRL, Lightning, Megatron), and the
+    report never names one of them or a launcher: what failed ran outside any of them."""
+    entry = next((f for f in frames if f.value.endswith("::<module>")), None)
+    if entry is None or names & _WRAPPERS or any(_WRAPPER_FRAME.search(f.value) for f in frames):
+        return None
+    return Fact("stack", "plain-torch", entry.line_no, entry.offset)
+
+
 def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -> list[Fact]:
     out = []
     for name, pattern in _STACK:
@@ -221,6 +239,9 @@ def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -
             continue
         if at is not None:
             out.append(Fact("stack", name, norm.line_of_offset(at), at))
+    plain = _plain_torch({f.value for f in out}, frames)
+    if plain is not None:
+        out.append(plain)
     # the phase: the innermost frame of the last traceback that tells one (frames outward)
     last_error = errors[-1].offset if errors else len(norm.text)
     near = [f for f in frames if f.offset < last_error][-12:]

@@ -22,6 +22,11 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
    (``node-3: ``, its indentation kept), then ``[rankN]:``, ``[defaultN]:``, ``N:``, with two ranks'
    lines de-interleaved (each rank's lines together, in their order); then timestamps again (the
    library's own, after the rank prefix);
+3b. progress bars: what was printed after a tqdm bar on its line (``...it/s]Killed``) gets a line
+   of its own;
+3c. notebook tracebacks: IPython's and Jupyter's frames (``File ~/x.py:12, in f(...)``, ``Cell
+   In[4], line 7``) get Python's own form;
+3d. rich tracebacks: the box rich draws goes, and its frames (``/x/m.py:12 in f``) get Python's form;
 4. error lines inside prose: ``... `RuntimeError: x` ...`` gets a line of its own starting with
    the exception (in whatever language the prose is), then inline Markdown (backticks, ``**``)
    is removed;
@@ -168,6 +173,8 @@ def fix_characters(lines: list[_Line]) -> list[_Line]:
 _WRAP_WIDTH_MIN = 60  # narrower than this is no terminal
 _HARD_WRAPPED_LINES = 3  # this many lines cut at exactly one width make a hard wrap
 _PROGRESS = re.compile(r"\d%\||it/s|s/it")
+#: The first character of a row of a box rich draws (its rows share one width, and are no hard wrap).
+_BOX_EDGES = frozenset("\u2502\u256d\u2570")
 #: A line that starts a new record, whatever came before it: never the rest of a cut line.
 _NEW_LINE = re.compile(r'^\s*(?:Traceback \(|File "|During handling|The above exception|\[?\d{4}-\d{2}-\d{2}'
                        r"|\[(?:rank|default)?\d+\]|[A-Z]\w*(?:Error|Exception): )")
@@ -176,13 +183,13 @@ _NEW_LINE = re.compile(r'^\s*(?:Traceback \(|File "|During handling|The above ex
 def _hard_wrap_width(lines: list[_Line]) -> int | None:
     """The width a terminal or a mail client cut every long line at: the longest line's length,
     shared by at least three lines, two of them different (not rules of one repeated character, not progress
-    bars, which a terminal also sizes to its width)."""
+    bars, which a terminal also sizes to its width, nor the rows of a box rich draws)."""
     lengths = [len(line) for _, line in lines]
     width = max(lengths, default=0)
     if width < _WRAP_WIDTH_MIN:
         return None
     at_width = [line for _, line in lines if len(line) == width and len(set(line.strip())) > 2
-                and not _PROGRESS.search(line)]
+                and not _PROGRESS.search(line) and line.lstrip()[:1] not in _BOX_EDGES]
     return width if len(at_width) >= _HARD_WRAPPED_LINES and len(set(at_width)) > 1 else None
 
 
@@ -293,6 +300,114 @@ def strip_timestamps(lines: list[_Line]) -> list[_Line]:
             for no, line in lines]
 
 
+# -- 3b. progress bars -------------------------------------------------------------------------
+
+#: A tqdm bar: ``38%|██▊     | 3/8 [00:02<00:03,  1.28it/s]`` (its closing ``]`` ends it).
+_PROGRESS_BAR = re.compile(r"\d{1,3}%\|[^|\n]{0,300}\|\s*[\d.]+[kMG]?/[\d.?]+[kMG]?\s*\[[^\]\n]{0,120}\]")
+
+
+def split_progress_bars(lines: list[_Line]) -> list[_Line]:
+    """What a program printed after a progress bar goes on a line of its own: tqdm redraws its bar
+    with a carriage return and no newline, so the next output (the shell's ``Killed``, a
+    ``Traceback``, a warning) is pasted on the bar's line: ``... 3/8 [00:02<00:03, 1.28it/s]Killed``."""
+    out: list[_Line] = []
+    for no, line in lines:
+        if "%|" not in line:
+            out.append((no, line))
+            continue
+        at = 0
+        for bar in _PROGRESS_BAR.finditer(line):
+            if line[bar.end():].strip():
+                out.append((no, line[at:bar.end()]))
+                at = bar.end()
+        out.append((no, line[at:]))
+    return out
+
+
+# -- 3c. notebook tracebacks ------------------------------------------------------------------
+
+#: A frame as IPython 8 prints it: ``File ~/x/module.py:1747, in Module._call_impl(self, ...)``,
+#: in Jupyter with the location as a link: ``File [~/x/m.py:813](http://...), in Embedding.forward(...)``.
+_IPYTHON_FRAME = re.compile(r"^(?P<indent>\s*)File \[?(?P<path>[^\s\[\]()\"]+?\.py):(?P<line>\d+)\]?(?:\([^)\s]*\))?,"
+                            r" in (?P<func>[\w.<>]+)")
+#: The notebook cell a traceback starts in (IPython 8): ``Cell In[4], line 7``.
+_IPYTHON_CELL = re.compile(r"^(?P<indent>\s*)Cell (?P<cell>In ?\[\d*\]), line (?P<line>\d+)")
+
+
+def _py_frame(path: str, line: str, func: str, indent: str = "  ") -> str:
+    """A frame line in Python's own form; a qualified name (``Module._call_impl``) is cut to the
+    function's own name, as Python prints it."""
+    return f'{indent}File "{path}", line {line}, in {func if func.startswith("<") else func.rsplit(".", 1)[-1]}'
+
+
+def python_frames_from_notebooks(lines: list[_Line]) -> list[_Line]:
+    """Frames of a traceback copied from Jupyter or IPython get Python's own form, so they are read
+    as frames: ``File ~/x/module.py:1747, in Module._call_impl(self)`` becomes ``File
+    "~/x/module.py", line 1747, in _call_impl``; the cell it starts in (``Cell In[4], line 7``)
+    becomes the ``<module>`` frame it is."""
+    out = []
+    for no, line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith("File ") and ".py:" in line and (hit := _IPYTHON_FRAME.match(line)):
+            line = _py_frame(hit.group("path"), hit.group("line"), hit.group("func"), hit.group("indent"))
+        elif stripped.startswith("Cell In") and (hit := _IPYTHON_CELL.match(line)):
+            line = _py_frame(f"<cell {hit.group('cell')}>", hit.group("line"), "<module>", hit.group("indent"))
+        out.append((no, line))
+    return out
+
+
+# -- 3d. rich tracebacks -----------------------------------------------------------------------
+
+#: A line inside a box rich draws around a traceback: ``│ <content> │``.
+_RICH_ROW = re.compile(r"^\s*\u2502 ?(?P<content>.*?)\s*\u2502?\s*$")
+#: rich's frame line: ``/x/module.py:1541 in _call_impl`` (the name may be wrapped onto the next row).
+_RICH_FRAME = re.compile(r"^(?P<path>(?:[~/.]|[A-Za-z]:[\\/])\S*\.py):(?P<line>\d+) in(?: (?P<func>[\w.<>]+))?$")
+#: A row that ends where rich wrapped a frame before its line number: ``/x/deepspeed/runtime/config.py:``.
+_RICH_PATH_END = re.compile(r"^(?:[~/.]|[A-Za-z]:[\\/])\S*\.py:$")
+
+
+def python_frames_from_rich_boxes(lines: list[_Line]) -> list[_Line]:
+    """A traceback rich drew in a box (``╭── Traceback (most recent call last) ──╮``, ``│ ... │``
+    rows, frames as ``/x/module.py:1541 in _call_impl``) loses its box, and its frames get
+    Python's form (``File "/x/module.py", line 1541, in _call_impl``); where rich wrapped a frame
+    onto the next row (before its line number, or before its function's name) the two are joined."""
+    if not any("\u2502" in line for _, line in lines):
+        return lines
+    out: list[_Line] = []
+    held: tuple[int, str] | None = None  # a row that may be the first half of a wrapped frame
+    for no, line in lines:
+        stripped = line.strip()
+        if stripped[:1] in ("\u256d", "\u2570"):  # the box's top and bottom
+            if "Traceback (most recent call last)" in stripped:
+                out.append((no, "Traceback (most recent call last):"))
+            continue
+        row = _RICH_ROW.match(line) if stripped[:1] == "\u2502" else None
+        content = row.group("content").strip() if row else None
+        if held is not None:
+            hno, first = held
+            held = None
+            if content:  # "<path>.py:" + "891 in name", or "<path>.py:891 in" + "name ..."
+                rest = content if first.endswith(":") else " " + content.split(" ", 1)[0]
+                joined = _RICH_FRAME.match(first + rest)
+                if joined and joined.group("func"):
+                    out.append((hno, _py_frame(joined.group("path"), joined.group("line"), joined.group("func"))))
+                    continue
+            out.append((hno, "    " + first))
+        if content is None:
+            out.append((no, line))
+            continue
+        frame = _RICH_FRAME.match(content)
+        if frame and frame.group("func"):
+            out.append((no, _py_frame(frame.group("path"), frame.group("line"), frame.group("func"))))
+        elif frame or _RICH_PATH_END.match(content):
+            held = (no, content)
+        elif content:
+            out.append((no, "    " + content))
+    if held is not None:
+        out.append((held[0], "    " + held[1]))
+    return out
+
+
 # -- 4. error lines in prose, inline Markdown --------------------------------------------------
 
 
@@ -395,7 +510,9 @@ _STEPS = (
     ("characters", fix_characters), ("hard-wrap", unwrap_hard_wrapped), ("markdown", undo_markdown_blocks),
     ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
     ("hosts", strip_host_prefixes),
-    ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("prose", lift_errors_from_prose),
+    ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("progress", split_progress_bars),
+    ("notebook-frames", python_frames_from_notebooks), ("rich-frames", python_frames_from_rich_boxes),
+    ("prose", lift_errors_from_prose),
     ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
     ("spaces", squeeze_spaces), ("repeats", drop_repeats),
 )
