@@ -6,8 +6,9 @@ These checks keep the manifest honest: every file it lists exists and no saved f
 every label is a real knowledge-base id (or ``none`` / ``healthy``), every sample has its source
 and the thread's conclusion, the split follows the stated rule, and the corpus keeps the size the
 issue asks for. A third half, ``holdout2``, was collected later (2026-12-05), after the matcher
-had been tuned on ``dev`` and ``test``, as a fresh held-out set: it is in its half by collection date,
-not by the hash rule. How explain scores on it is measured by ``benchmarks/explain_corpus.py``.
+had been tuned on ``dev`` and ``test``, as a fresh held-out set, and a fourth, ``holdout3``, later still,
+blind, while the matcher was being tuned on the first three: both are in their half by collection date,
+not by the hash rule. How explain scores on them is measured by ``benchmarks/explain_corpus.py``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from lightning_zeromoe.knowledge.load import load_entries
 CORPUS = Path(__file__).parent / "fixtures" / "explain_corpus"
 MANIFEST = json.loads((CORPUS / "manifest.json").read_text(encoding="utf-8"))
 SAMPLES = MANIFEST["samples"]
-HALVES = ("dev", "test", "holdout2")
-HASHED = ("dev", "test")  # the halves split by the URL hash; holdout2 is by collection date
+HALVES = ("dev", "test", "holdout2", "holdout3")
+HASHED = ("dev", "test")  # the halves split by the URL hash; holdout2 and holdout3 are by collection date
+HELD_OUT = ("holdout2", "holdout3")  # collected after tuning had begun, each with its note in the manifest
 FIELDS = ("file", "half", "url", "project", "date", "forms", "thread_conclusion", "conclusion_source",
           "label", "kind")
 
@@ -36,7 +38,8 @@ def _half_of(url: str) -> str:
 
 def test_split_rule_is_stated_and_followed() -> None:
     assert "sha256" in MANIFEST["split_rule"] and "% 2 == 0" in MANIFEST["split_rule"]
-    assert "holdout2" in MANIFEST and "2026-12-05" in MANIFEST["holdout2"]
+    for half in HELD_OUT:
+        assert half in MANIFEST and "2026-12-05" in MANIFEST[half], f"no collection note for {half}"
     assert {s["half"] for s in SAMPLES} == set(HALVES)
     misplaced = [s["file"] for s in SAMPLES if not s["file"].startswith(s["half"] + "/")]
     assert misplaced == [], f"samples outside their half's folder: {misplaced}"
@@ -86,6 +89,18 @@ def test_numbering_is_unique() -> None:
     assert len(numbers) == len(set(numbers))
 
 
+def test_each_held_out_half_is_numbered_on_from_the_halves_before_it() -> None:
+    """holdout2 and holdout3 were collected in that order, after dev and test: their numbers continue the corpus."""
+    def numbers(halves: tuple[str, ...]) -> list[int]:
+        return [int(Path(s["file"]).name[:3]) for s in SAMPLES if s["half"] in halves]
+
+    earlier: tuple[str, ...] = HASHED
+    for half in HELD_OUT:
+        assert numbers((half,)), f"{half} is empty"
+        assert min(numbers((half,))) > max(numbers(earlier)), f"{half} is not numbered on from {earlier}"
+        earlier = (*earlier, half)
+
+
 def test_labels_are_knowledge_base_ids_and_kinds_agree() -> None:
     ids = {entry.id for entry in load_entries()}
     for s in SAMPLES:
@@ -98,7 +113,7 @@ def test_labels_are_knowledge_base_ids_and_kinds_agree() -> None:
             assert s["kind"] == "known", s["file"]
 
 
-@pytest.mark.parametrize("half", ["dev", "test", "holdout2", None])
+@pytest.mark.parametrize("half", [*HALVES, None])
 def test_corpus_has_the_size_the_issue_asks_for(half: str | None) -> None:
     picked = [s for s in SAMPLES if half is None or s["half"] == half]
     kinds = [s["kind"] for s in picked]
@@ -106,6 +121,9 @@ def test_corpus_has_the_size_the_issue_asks_for(half: str | None) -> None:
         assert kinds.count("known") + kinds.count("unknown") >= 40
         assert kinds.count("healthy") >= 10
         assert kinds.count("known") >= 20 and kinds.count("unknown") >= 10
+    elif half == "holdout3":  # the third blind set: at least 60 texts, 35 known, 15 none, 12 healthy
+        assert len(kinds) >= 60
+        assert kinds.count("known") >= 35 and kinds.count("unknown") >= 15 and kinds.count("healthy") >= 12
     elif half is None:
         assert kinds.count("known") + kinds.count("unknown") >= 60
         assert kinds.count("healthy") >= 15
