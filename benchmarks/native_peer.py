@@ -15,7 +15,7 @@ split over the ranks by ``DistributedSampler(shuffle=False)``; torch's AdamW (lr
 no clipping, no accumulation, ``--warmup`` (2) + ``--steps`` (8) steps.
 
 Sides, each its own ``torchrun --nproc-per-node W`` launch on localhost (gloo, CPU, one thread a rank),
-on every ``--ranks`` W, ``ep_size = W`` on both (every expert whole on one rank):
+on every ``--ranks`` W, ``ep_size = W`` on both (every expert whole on one rank; ``--ep E`` sets another):
 
 * ``native``: ``from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=W, ep_size=W))``
   and a plain loop (forward, backward, ``optimizer.step()``, ``zero_grad``).
@@ -50,10 +50,12 @@ each repeat):
 * memory per rank, MB (10^6 bytes), of the rank with the highest peak RSS, median over repeats:
   ``baseline``: RSS after the side's imports, before the model (for ``native``: torch + transformers;
   the ledger's import of Lightning, taken after it, is shown as "ledger import"); ``model states``:
-  the bytes of the distinct tensor storages that hold this rank's parameters (its DTensor shards or
-  ZeRO-3 partitions and whole local experts, DeepSpeed's flat fp32 copies), gradients and optimizer
-  state, counted after the last optimizer step once gradients are released (``zero_grad(set_to_none=True)``
-  on ``native``; DeepSpeed releases its own in ``step``); ``other tensors``: every other live tensor
+  the bytes of the distinct tensor storages that hold this rank's parameters (its DTensor shards, or its
+  ZeRO-3 partitions and whole local experts), gradients and optimizer state, counted after the last
+  optimizer step once the loop has released what it releases between steps: ``native``'s
+  ``zero_grad(set_to_none=True)`` frees the gradients; DeepSpeed keeps a flat fp32 master copy of the
+  partitions and a flat gradient buffer allocated throughout (``DEEPSPEED_STATES``), counted here;
+  ``other tensors``: every other live tensor
   storage Python can reach then (``gc``): communication buckets, caches (C++-held buffers such as
   autograd's saved activations are not reachable and are not in it); ``rest of peak``: peak RSS
   (``ru_maxrss``) minus the three before: the step's transient working set (activations, gathered
@@ -174,10 +176,51 @@ def _storage(t: Any) -> tuple[int, int] | None:
         return None
 
 
-def state_bytes(modules: list[Any], optimizers: list[Any]) -> tuple[int, int]:
+#: Attributes of DeepSpeed's ZeRO optimizers that hold model states (master weights, flat gradients): they are
+#: out of the inner torch optimizer's ``param_groups`` between steps, so they are named here.
+DEEPSPEED_STATES = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_partitions_flat_buffer",
+                    "single_partition_of_fp32_groups", "bit16_groups_flat", "averaged_gradients")
+
+
+def _tensors_in(value: Any) -> list[Any]:
+    import torch
+
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _owners(objects: list[Any]) -> dict[int, str]:
+    """Storage pointer -> ``Class.attribute`` for the tensors the given objects hold directly, or one object
+    further (``Class.attribute.sub``: DeepSpeed's IPG buckets): names the big buffers among the "other
+    tensors"."""
+    import torch
+
+    names: dict[int, str] = {}
+
+    def note(value: Any, name: str) -> None:
+        for v in _tensors_in(value):
+            s = _storage(v)
+            if s:
+                names.setdefault(s[0], name)
+
+    for obj in objects:
+        for attr, value in getattr(obj, "__dict__", {}).items():
+            note(value, f"{type(obj).__name__}.{attr}")
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                else [value]
+            for v in inner:
+                if not isinstance(v, (torch.Tensor, torch.nn.Module)) and type(v).__module__.startswith("deepspeed"):
+                    for sub, sv in getattr(v, "__dict__", {}).items():
+                        note(sv, f"{type(obj).__name__}.{attr}.{sub}")
+    return names
+
+
+def state_bytes(modules: list[Any], optimizers: list[Any],
+                holders: list[Any] = ()) -> tuple[int, int, dict[str, float]]:
     """(bytes of the storages holding parameters, gradients and optimizer state; bytes of every other
-    live tensor storage ``gc`` reaches). DeepSpeed's partitions (``ds_tensor``) and its inner torch
-    optimizer's flat fp32 copies count as model states."""
+    live tensor storage ``gc`` reaches; those other bytes in MB by the ``Class.attribute`` of ``holders``,
+    the optimizers or ``modules`` that hold them, "unnamed" for the rest). DeepSpeed's partitions
+    (``ds_tensor``) and its inner torch optimizer's flat fp32 copies count as model states."""
     import torch
 
     held: dict[int, int] = {}
@@ -201,6 +244,9 @@ def state_bytes(modules: list[Any], optimizers: list[Any]) -> tuple[int, int]:
             continue
         seen.add(id(opt))
         todo += [getattr(opt, "optimizer", None), getattr(opt, "_optimizer", None)]
+        for attr in DEEPSPEED_STATES:
+            for t in _tensors_in(getattr(opt, attr, None)):
+                add(t)
         if isinstance(opt, torch.optim.Optimizer):
             for group in opt.param_groups:
                 for p in group["params"]:
@@ -215,7 +261,12 @@ def state_bytes(modules: list[Any], optimizers: list[Any]) -> tuple[int, int]:
             s = _storage(obj)
             if s and s[0] not in held:
                 other[s[0]] = s[1]
-    return sum(held.values()), sum(other.values())
+    names = _owners([*holders, *modules, *optimizers] + [getattr(o, "optimizer", None) for o in optimizers])
+    by_owner: dict[str, float] = {}
+    for ptr, n in other.items():
+        owner = names.get(ptr, "unnamed")
+        by_owner[owner] = by_owner.get(owner, 0.0) + n / MB
+    return sum(held.values()), sum(other.values()), by_owner
 
 
 @dataclass
@@ -233,6 +284,7 @@ class Record:
     peak_rss_mb: float = 0.0
     states_mb: float = 0.0
     other_tensors_mb: float = 0.0
+    other_by_owner: dict[str, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
     bytes_per_step: dict[str, float] = field(default_factory=dict)
     calls_per_step: dict[str, float] = field(default_factory=dict)
@@ -276,10 +328,10 @@ def _sampler(data: Any, world: int, rank: int) -> Any:
     return DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
 
 
-def _native_config(world: int) -> Any:
+def _native_config(world: int, ep: int) -> Any:
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(fsdp_size=world, ep_size=world)
+    return DistributedConfig(fsdp_size=world, ep_size=ep or world)
 
 
 def _run_native(args: argparse.Namespace, rec: Record) -> None:
@@ -293,7 +345,7 @@ def _run_native(args: argparse.Namespace, rec: Record) -> None:
     rec.rss["imports"] = rss_mb()
     rec.seconds["imports"] = time.time()
     dispatch = Dispatch()
-    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=_native_config(rec.world),
+    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=_native_config(rec.world, args.ep),
                                                  dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -319,7 +371,7 @@ def _run_native(args: argparse.Namespace, rec: Record) -> None:
                 rec.rss["step1"] = rss_mb()
             opt.zero_grad(set_to_none=True)
             if step == last:
-                states, other = state_bytes([model], [opt])
+                states, other, rec.other_by_owner = state_bytes([model], [opt])
                 rec.states_mb, rec.other_tensors_mb = states / MB, other / MB
                 break
     _ledger_into(rec, ledger, args.warmup)
@@ -358,7 +410,7 @@ def _lightning_module(args: argparse.Namespace, rec: Record, native: bool) -> An
 
         def configure_model(self) -> None:
             if self.model is None:
-                extra = {"distributed_config": _native_config(rec.world)} if native else {}
+                extra = {"distributed_config": _native_config(rec.world, args.ep)} if native else {}
                 self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **extra)
 
         def on_train_start(self) -> None:
@@ -376,8 +428,10 @@ def _lightning_module(args: argparse.Namespace, rec: Record, native: bool) -> An
             if step == 1:
                 rec.rss["step1"] = rss_mb()
             if step == last:
-                states, other = state_bytes([self.model, self.trainer.strategy.model],
-                                            [o for o in self.trainer.strategy.optimizers])
+                strategy = self.trainer.strategy
+                states, other, rec.other_by_owner = state_bytes(
+                    [self.model, strategy.model], list(strategy.optimizers),
+                    [strategy.model] + [getattr(o, "_optimizer", None) for o in strategy.optimizers])
                 rec.states_mb, rec.other_tensors_mb = states / MB, other / MB
 
         def configure_optimizers(self) -> Any:
@@ -404,7 +458,7 @@ def _run_zeromoe(args: argparse.Namespace, rec: Record) -> None:
 
     rec.rss["imports"] = rss_mb()
     rec.seconds["imports"] = time.time()
-    strategy = ZeroMoEStrategy(ep_size=rec.world, comm_stats=True)
+    strategy = ZeroMoEStrategy(ep_size=args.ep or rec.world, comm_stats=True)
     trainer = L.Trainer(strategy=strategy, **_trainer_kwargs(args, rec.world))
     trainer.fit(_lightning_module(args, rec, native=False))
     _ledger_into(rec, strategy.comm_ledger, args.warmup)
@@ -433,7 +487,7 @@ def _run_native_hf_trainer(args: argparse.Namespace, rec: Record) -> None:
 
     rec.rss["imports"] = rss_mb()
     rec.seconds["imports"] = time.time()
-    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=_native_config(rec.world),
+    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=_native_config(rec.world, args.ep),
                                                  dtype=torch.float32)
     training_args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="native_peer_hf_"), per_device_train_batch_size=args.micro,
@@ -465,7 +519,7 @@ def _run_native_hf_trainer(args: argparse.Namespace, rec: Record) -> None:
     trainer = Recording(model=model, args=training_args, train_dataset=Tokens(args.data), callbacks=[Steps()])
     with ledger.counting():
         trainer.train()
-    states, other = state_bytes([model], [trainer.optimizer])
+    states, other, rec.other_by_owner = state_bytes([model], [trainer.optimizer])
     rec.states_mb, rec.other_tensors_mb = states / MB, other / MB
     rec.note = (f"Trainer saw world_size={training_args.world_size}, process_index={training_args.process_index}, "
                 f"distributed loading={getattr(trainer, 'is_distributed_loading_by_transformers', None)}")
@@ -515,7 +569,7 @@ def launch(side: str, family: str, world: int, base: Path, out: Path, args: argp
            "127.0.0.1", "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker", side,
            "--family", family, "--model", str(base / family), "--data", str(base / "tokens.pt"), "--out", str(out),
            "--micro", str(args.global_batch // world), "--seq", str(args.seq), "--warmup", str(args.warmup),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), "--ep", str(args.ep)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
@@ -641,6 +695,16 @@ def tables(res: dict[str, Any]) -> str:
             out.append(f"| {combo[0]} | {combo[1]} | {side} | {_med(cols['base']):.0f}{note} | "
                        f"{_med(cols['states']):.0f} | {_med(cols['other']):.0f} | {_med(cols['rest']):.0f} | "
                        f"{_med(cols['rel']):.0f} | {_med(cols['peak']):.0f} | {ratio} |")
+    out += ["", "Other tensors by holder (`Class.attribute` holding the storage; first launch, the rank with the "
+            "highest peak), MB:", ""]
+    for combo in combos:
+        for side in SIDES:
+            rs = of(side, combo)
+            if rs:
+                top = max(rs[0]["ranks"], key=lambda x: x["peak_rss_mb"])
+                held = sorted(top.get("other_by_owner", {}).items(), key=lambda kv: -kv[1])
+                out.append(f"- {combo[0]}, {combo[1]} ranks, {side}: "
+                           + (", ".join(f"{k} {v:.0f}" for k, v in held if v >= 0.5) or "none over 0.5 MB"))
     out += ["", "### Bytes per optimizer step by collective and group (rank 0, full buffers, median)", ""]
     for combo in combos:
         rows = {}
@@ -780,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
+    parser.add_argument("--ep", type=int, default=0, help="ep_size on both sides (default: the number of ranks)")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs loss diff to the plain run")
     parser.add_argument("--no-tries", action="store_true", help="skip the HF Trainer / ModelParallelStrategy tries")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
@@ -866,7 +931,7 @@ def header(res: dict[str, Any]) -> str:
     params = ", ".join(f"{k} {v / 1e6:.1f} M parameters" for k, v in res["params"].items())
     return (f"{res['date']}; {res['machine']}\n{res['command']}\n{a['repeats']} repeats; models {params}; "
             f"global batch {a['global_batch']} x {a['seq']} tokens; {a['warmup']} warm-up + {a['steps']} timed "
-            f"steps; fp32; ep_size = ranks; whole run {res['wall_s'] / 60:.1f} min\n")
+            f"steps; fp32; ep_size = {a.get('ep') or 'ranks'}; whole run {res['wall_s'] / 60:.1f} min\n")
 
 
 def _machine() -> str:
