@@ -37,7 +37,8 @@ which is the global batch's loss since every rank gets the same number of tokens
 ``--tolerance`` (1e-4, fp32: sharded reductions sum in another order, which moves a loss of about 7 by
 an ulp or two (2.4e-7 each) a step, and AdamW's normalised steps carry such differences forward; measured,
 the native side on both models and ours on Mixtral stay within 2e-6 over 10 steps, so 1e-4, 1.5e-5 of
-the loss, leaves fifty times that margin and is not widened to pass a side). A side over the tolerance is marked **NO** in the parity table and the run exits 1 after printing every table.
+the loss, leaves fifty times that margin and is not widened to pass a side). A side over the
+tolerance is marked **NO** in the parity table and the run exits 1 after printing every table.
 
 **Tables** (medians over ``--repeats``; each repeat launches every side once, the first side swapping
 each repeat):
