@@ -49,8 +49,9 @@ each repeat):
   step on the slowest rank (interpreter start, imports, process group, loading, sharding, the first
   step); beside it the seconds of imports and of setup (imports done to the model ready to step).
 * memory per rank, MB (10^6 bytes), of the rank with the highest peak RSS, median over repeats:
-  ``baseline``: RSS after the side's imports, before the model (for ``native``: torch + transformers;
-  the ledger's import of Lightning, taken after it, is shown as "ledger import"); ``model states``:
+  ``baseline``: RSS after the side's imports, before the model (``native``: torch + transformers,
+  the ledger's import of Lightning, taken after it, shown as "ledger import"; ``zeromoe``: Lightning,
+  ``lightning_zeromoe`` and DeepSpeed, which the strategy would otherwise import at setup); ``model states``:
   the bytes of the distinct tensor storages that hold this rank's parameters (its DTensor shards, or its
   ZeRO-3 partitions and whole local experts), gradients and optimizer state, counted after the last
   optimizer step once the loop has released what it releases between steps: ``native``'s
@@ -453,6 +454,7 @@ def _trainer_kwargs(args: argparse.Namespace, world: int) -> dict[str, Any]:
 
 
 def _run_zeromoe(args: argparse.Namespace, rec: Record) -> None:
+    import deepspeed  # noqa: F401  (the strategy imports it at setup: counted in the baseline, not the model)
     import lightning as L
 
     from lightning_zeromoe import ZeroMoEStrategy
@@ -925,6 +927,7 @@ def main(argv: list[str] | None = None) -> int:
                         record(launch(side, family, world, base, base / "out" / f"{side}{family}{world}r{repeat}",
                                       args))
     res["wall_s"] = time.time() - started
+    res["load_end"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     print(header(res))
@@ -941,7 +944,8 @@ def header(res: dict[str, Any]) -> str:
     params = ", ".join(f"{k} {v / 1e6:.1f} M parameters" for k, v in res["params"].items())
     return (f"{res['date']}; {res['machine']}\n{res['command']}\n{a['repeats']} repeats; models {params}; "
             f"global batch {a['global_batch']} x {a['seq']} tokens; {a['warmup']} warm-up + {a['steps']} timed "
-            f"steps; fp32; ep_size = {a.get('ep') or 'ranks'}; whole run {res['wall_s'] / 60:.1f} min\n")
+            f"steps; fp32; ep_size = {a.get('ep') or 'ranks'}; whole run {res['wall_s'] / 60:.1f} min; load average at "
+            f"the end {res.get('load_end', '?')}\n")
 
 
 def _machine() -> str:
