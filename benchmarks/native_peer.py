@@ -80,10 +80,11 @@ CPU ranks over gloo, one thread each: absolute speeds say nothing about GPUs (wh
 brings grouped-GEMM expert kernels and we have not measured); byte counts are exact. Run from the
 repository root::
 
-    .venv/bin/python benchmarks/native_peer.py --repeats 2 --ranks 2 4 --json /tmp/native_peer.json
+    .venv/bin/python benchmarks/native_peer.py --repeats 3 --ranks 2 4 --json /tmp/native_peer.json
 
-(2 repeats x 2 models x 2 rank counts x 2 sides = 16 launches + 2 tries + the references: about
-15 minutes on 2 shared cores with the defaults; ``--table FILE`` reprints an earlier ``--json``.)
+(per repeat 2 models x 2 rank counts x 2 sides = 8 launches, plus 2 tries and the two single-process
+references once: measured 9.8 minutes for ``--repeats 2`` on the 2-core machine shared with other jobs,
+load average 7-8; ``--table FILE`` reprints an earlier ``--json``.)
 """
 
 from __future__ import annotations
