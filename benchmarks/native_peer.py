@@ -386,7 +386,7 @@ def _run_native(args: argparse.Namespace, rec: Record) -> None:
     rec.bytes_per_step[key + " (backward, inferred)"] = tokens
     rec.calls_per_step[key + " (backward, inferred)"] = statistics.median(d[1] for d in timed)
     for k in (key + " (forward)", key + " (backward, inferred)"):
-        rec.group_sizes[k] = rec.world
+        rec.group_sizes[k] = args.ep or rec.world  # the EP group
 
 
 def _ledger_into(rec: Record, ledger: Any, warmup: int) -> None:
@@ -403,6 +403,7 @@ def _lightning_module(args: argparse.Namespace, rec: Record, native: bool) -> An
     import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
+    from typing_extensions import override
 
     last = args.warmup + args.steps
 
@@ -411,20 +412,24 @@ def _lightning_module(args: argparse.Namespace, rec: Record, native: bool) -> An
             super().__init__()
             self.model: Any = None
 
+        @override
         def configure_model(self) -> None:
             if self.model is None:
                 extra = {"distributed_config": _native_config(rec.world, args.ep)} if native else {}
                 self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **extra)
 
+        @override
         def on_train_start(self) -> None:
             rec.rss["setup"] = rss_mb()
             rec.seconds["setup"] = time.time()
 
+        @override
         def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
             loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
             rec.losses.append(float(loss.detach()))
             return loss
 
+        @override
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             rec.marks.append(time.time())
             step = self.trainer.global_step
@@ -437,9 +442,11 @@ def _lightning_module(args: argparse.Namespace, rec: Record, native: bool) -> An
                     [strategy.model] + [getattr(o, "_optimizer", None) for o in strategy.optimizers])
                 rec.states_mb, rec.other_tensors_mb = states / MB, other / MB
 
+        @override
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
 
+        @override
         def train_dataloader(self) -> DataLoader:
             data = Tokens(args.data)
             return DataLoader(data, batch_size=args.micro, sampler=_sampler(data, rec.world, rec.rank),
