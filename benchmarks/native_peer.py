@@ -29,6 +29,11 @@ Tried once per run, on 2 ranks and the Mixtral model (a single launch each, not 
 * ``native_lightning_mp``: Lightning's ``ModelParallelStrategy`` holding it (``from_pretrained(...,
   distributed_config=...)`` inside ``configure_model``).
 
+* ``native_dcp_save`` / ``native_dcp_load``: transformers' distributed checkpoint on another shape:
+  two steps on the fewest ``--ranks``, ``save_pretrained(DIR, distributed_checkpoint=True)``, then
+  ``from_pretrained(DIR)`` on the most ranks with their ``ep_size``; the loss of one fixed batch before
+  and after (the last model of ``--models``).
+
 What happened with each is printed (the real error if it failed) under "Tries".
 
 **Parity first.** A plain single-process run (in this process, before any launch) trains each model
@@ -82,7 +87,7 @@ repository root::
 
     .venv/bin/python benchmarks/native_peer.py --repeats 3 --ranks 2 4 --json /tmp/native_peer.json
 
-(per repeat 2 models x 2 rank counts x 2 sides = 8 launches, plus 2 tries and the two single-process
+(per repeat 2 models x 2 rank counts x 2 sides = 8 launches, plus 4 tries and the two single-process
 references once: measured 9.8 minutes for ``--repeats 2`` on the 2-core machine shared with other jobs,
 load average 7-8; ``--table FILE`` reprints an earlier ``--json``.)
 """
@@ -537,8 +542,37 @@ def _run_native_hf_trainer(args: argparse.Namespace, rec: Record) -> None:
     _ledger_into(rec, ledger, args.warmup)
 
 
+def _run_native_dcp(args: argparse.Namespace, rec: Record) -> None:
+    """``save``: two training steps, then ``save_pretrained(DIR, distributed_checkpoint=True)``; ``load``:
+    ``from_pretrained(DIR)`` on this launch's ranks and ``ep_size``. Both record the loss of one fixed batch
+    (the first global batch, on every rank) in ``rec.losses``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rec.rss["imports"] = rss_mb()
+    rec.seconds["imports"] = time.time()
+    save = args.worker == "native_dcp_save"
+    model = AutoModelForCausalLM.from_pretrained(args.model if save else args.dcp, dtype=torch.float32,
+                                                 distributed_config=_native_config(rec.world, args.ep))
+    tokens = Tokens(args.data).tokens
+    rec.seconds["setup"] = time.time()
+    if save:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        for step in range(2):
+            batch = tokens[(step * rec.world + rec.rank) * args.micro:(step * rec.world + rec.rank + 1) * args.micro]
+            model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec.marks.append(time.time())
+        model.save_pretrained(args.dcp, distributed_checkpoint=True)
+    with torch.no_grad():
+        batch = tokens[:args.micro * rec.world]
+        rec.losses.append(float(model(input_ids=batch, labels=batch, use_cache=False).loss))
+
+
 RUNNERS = {"native": _run_native, "zeromoe": _run_zeromoe, "native_hf_trainer": _run_native_hf_trainer,
-           "native_lightning_mp": _run_native_lightning_mp}
+           "native_lightning_mp": _run_native_lightning_mp, "native_dcp_save": _run_native_dcp,
+           "native_dcp_load": _run_native_dcp}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -558,7 +592,8 @@ def worker(args: argparse.Namespace) -> int:
     rec.rss["end"] = rss_mb()
     rec.peak_rss_mb = peak_mb()
     timed = rec.marks[args.warmup - 1:] if args.warmup else rec.marks
-    rec.tokens_per_s = world * args.micro * args.seq * (len(timed) - 1) / (timed[-1] - timed[0])
+    if len(timed) > 1 and timed[-1] > timed[0]:
+        rec.tokens_per_s = world * args.micro * args.seq * (len(timed) - 1) / (timed[-1] - timed[0])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(asdict(rec)))
     return 0
@@ -580,7 +615,7 @@ def launch(side: str, family: str, world: int, base: Path, out: Path, args: argp
            "127.0.0.1", "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker", side,
            "--family", family, "--model", str(base / family), "--data", str(base / "tokens.pt"), "--out", str(out),
            "--micro", str(args.global_batch // world), "--seq", str(args.seq), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--ep", str(args.ep)]
+           "--steps", str(args.steps), "--ep", str(args.ep), "--dcp", str(base / "dcp")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
@@ -662,7 +697,7 @@ def tables(res: dict[str, Any]) -> str:
 
     out += ["### Parity with a plain single-process run (max abs diff of the per-step loss, every launch)", "",
             f"| model | ranks | side | launches | max abs diff | within {tol:g} |", "|---|---:|---|---:|---:|---|"]
-    for r in sorted({(key(r), r["side"]) for r in runs}, key=lambda x: (x[0][0], x[0][1], x[1])):
+    for r in sorted({(key(r), r["side"]) for r in runs if "parity" in r}, key=lambda x: (x[0][0], x[0][1], x[1])):
         diffs = [x["parity"] for x in runs if key(x) == r[0] and x["side"] == r[1]]
         out.append(f"| {r[0][0]} | {r[0][1]} | {r[1]} | {len(diffs)} | {max(diffs):.1e} | "
                    f"{'yes' if max(diffs) <= tol else '**NO**'} |")
@@ -764,6 +799,18 @@ def tables(res: dict[str, Any]) -> str:
                 out.append(f"- {LABELS[r['side']]} ({r['model']}, {r['world']} ranks): FAILED:\n\n```\n"
                            f"{r['error'].strip()[-1500:]}\n```")
         out.append("")
+    dcp = {r["side"]: r for r in res["runs"] if r["side"] in ("native_dcp_save", "native_dcp_load")}
+    if len(dcp) == 2 and all(r["ok"] for r in dcp.values()):
+        a, b = dcp["native_dcp_save"], dcp["native_dcp_load"]
+        la, lb = a["ranks"][0]["losses"][-1], b["ranks"][0]["losses"][-1]
+        out += [f"- transformers' distributed checkpoint on another shape ({a['model']}): two steps on {a['world']} "
+                f"ranks, `save_pretrained(DIR, distributed_checkpoint=True)`, then `from_pretrained(DIR)` with "
+                f"`DistributedConfig(fsdp_size={b['world']}, ep_size={b['world']})` on {b['world']} ranks: the loss of "
+                f"one fixed batch {la:.7f} before, {lb:.7f} after (diff {abs(la - lb):.1e}). Weights only; the "
+                "optimizer's state has its own calls (`save_optimizer_distributed`), not tried here.", ""]
+    elif dcp:
+        out += [f"- transformers' distributed checkpoint on another shape: {r['side']} FAILED:\n\n```\n"
+                f"{r['error'].strip()[-1500:]}\n```" for r in dcp.values() if not r["ok"]] + [""]
     out += ["### Capabilities", "", CAPABILITIES]
     return "\n".join(out)
 
@@ -833,9 +880,10 @@ without EP, 1 refused, 1 fails (docs/reference/coverage.md, `tests/test_hf_cover
 blocks (docs/guides/own-moe-blocks.md) |
 | save / resume | `save_pretrained(distributed_checkpoint=True)` writes DCP shards that `from_pretrained` \
 reloads into the current mesh; `save_optimizer_distributed` / `load_optimizer_distributed` for the \
-optimizer (`distributed/checkpoint.py`, `modeling_utils.py`); resuming on another world size / \
-`ep_size` not tried here | resume on another world size and `ep_size` through DeepSpeed's universal \
-checkpoint (docs/guides/checkpoints.md "Resume on another shape", `tests/test_resume.py`) |
+optimizer (`distributed/checkpoint.py`, `modeling_utils.py`); weights saved on 2 ranks reload on 4 with \
+another `ep_size` (the benchmark's Tries); the optimizer's state on another shape not tried | resume on \
+another world size and `ep_size` through DeepSpeed's universal checkpoint (docs/guides/checkpoints.md \
+"Resume on another shape", `tests/test_resume.py`) |
 | export to an HF directory | `save_pretrained(...)` gathers the full state dict to rank 0 \
 (`modeling_utils.py`, `distributed_checkpoint` docstring) | `zeromoe-export` (docs/guides/checkpoints.md, \
 `tests/test_export_units.py`) |
@@ -876,6 +924,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--micro", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dcp", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -926,6 +975,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not run["ok"]:
                     print(f"  {side}: FAILED\n{run['error'][-800:]}", flush=True)
                 record(run)
+            small, large = min(args.ranks), max(args.ranks)
+            for side, world in (("native_dcp_save", small), ("native_dcp_load", large)):
+                run = launch(side, args.models[-1], world, base, base / "out" / side, args, must_work=False)
+                if not run["ok"]:
+                    print(f"  {side}: FAILED\n{run['error'][-800:]}", flush=True)
+                res["runs"].append(run)
         for repeat in range(args.repeats):
             order = SIDES if repeat % 2 == 0 else SIDES[::-1]
             print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
