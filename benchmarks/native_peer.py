@@ -88,8 +88,8 @@ repository root::
     .venv/bin/python benchmarks/native_peer.py --repeats 3 --ranks 2 4 --json /tmp/native_peer.json
 
 (per repeat 2 models x 2 rank counts x 2 sides = 8 launches, plus 4 tries and the two single-process
-references once: measured 9.8 minutes for ``--repeats 2`` on the 2-core machine shared with other jobs,
-load average 7-8; ``--table FILE`` reprints an earlier ``--json``.)
+references once: measured 9.8 minutes for ``--repeats 2`` and 18 minutes for ``--repeats 3`` on the 2-core
+machine shared with other jobs, load average 3-8; ``--table FILE`` reprints an earlier ``--json``.)
 """
 
 from __future__ import annotations
