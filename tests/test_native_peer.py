@@ -1,0 +1,59 @@
+"""The capability table of ``benchmarks/native_peer.py`` (and docs/choosing.md, which carries it) against its
+sources: every file it cites exists and says what the table reads in it, in the installed transformers and in
+this repository; the number of transformers model directories with an EP plan and our coverage verdicts are
+recounted. An upgrade of transformers that moves any of these fails here, so the page cannot drift."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.jobs import REPO
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("native_peer", REPO / "benchmarks" / "native_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _benchmark()
+
+
+def _transformers_root() -> Path:
+    spec = importlib.util.find_spec("transformers")
+    return Path(spec.origin).parent
+
+
+@pytest.mark.parametrize("source", BENCH.SOURCES, ids=lambda s: f"{s.path}:{s.text[:30]}")
+def test_each_cited_source_says_it(source):
+    root = _transformers_root() if source.transformers else REPO
+    path = root / source.path
+    assert path.is_file(), path
+    assert source.text in path.read_text(), (source.path, source.text)
+    cited = f"`{source.path}`" if source.transformers else source.path
+    assert cited in BENCH.CAPABILITIES, f"{cited} is checked but not cited"
+
+
+def test_counts_in_the_table_are_recounted():
+    models = _transformers_root() / "models"
+    dirs = {p.parent.name for p in models.glob("*/*.py") if "base_model_ep_plan" in p.read_text()}
+    assert len(dirs) == BENCH.EP_PLAN_DIRS
+    assert f"{BENCH.EP_PLAN_DIRS} model directories define a `base_model_ep_plan`" in BENCH.CAPABILITIES
+    rows = [line.split("|") for line in (REPO / "docs/reference/coverage.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| model_type")]
+    verdicts = [re.split(r"[,:(]", r[3].strip())[0].strip() for r in rows]
+    counts = {k: sum(v.startswith(k) for v in verdicts) for k in BENCH.COVERAGE}
+    assert counts == BENCH.COVERAGE
+    assert sum(counts.values()) == len(rows)
+
+
+def test_choosing_page_carries_the_capability_table():
+    page = (REPO / "docs/choosing.md").read_text()
+    assert BENCH.CAPABILITIES.strip() in page
