@@ -529,6 +529,12 @@ def test_a_whole_traceback_that_never_enters_deepspeed_is_no_zero3_placeholder()
     assert _ids(under_ds)[:1] == ["zero3-param-not-available"]
     cut = "\n".join(PLAIN_WEIGHT_2D.splitlines()[5:])  # no <module> frame: not a whole call stack
     assert not _facts(cut).has("stack", "plain-torch")
+    # the error line pasted first and the traceback after it cut before its end (this fixture changed
+    # in that one way): the stack from <module> does not reach an error, so it is not a whole one
+    lines = PLAIN_WEIGHT_2D.splitlines()
+    error_first = "\n".join([lines[-1], *lines[:-3]])
+    assert not _facts(error_first).has("stack", "plain-torch")
+    assert _ids(error_first)[:1] == ["zero3-param-not-available"]
 
 
 #: https://github.com/MRzzm/DINet/issues/57 (the error line, verbatim): torch.save's zip writer,

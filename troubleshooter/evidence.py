@@ -230,13 +230,16 @@ def _first(pattern: re.Pattern[str], norm: Normalized) -> int | None:
     return None if hit is None else hit.start()
 
 
-def _plain_torch(names: set[str], frames: list[Fact]) -> Fact | None:
+def _plain_torch(names: set[str], frames: list[Fact], errors: list[Fact]) -> Fact | None:
     """The ``plain-torch`` fact: the report holds a whole call stack, from the script's entry
-    (a ``<module>`` frame) to the error, none of whose frames is in a library that partitions or
+    (a ``<module>`` frame) to the error (an error line after that frame: a paste cut inside the stack
+    is not whole), none of whose frames is in a library that partitions or
     wraps the model (DeepSpeed, Accelerate, Transformers, PEFT, TRL, Lightning, Megatron), and the
     report never names one of them or a launcher: what failed ran outside any of them."""
     entry = next((f for f in frames if f.value.endswith("::<module>")), None)
     if entry is None or names & _WRAPPERS or any(_WRAPPER_FRAME.search(f.value) for f in frames):
+        return None
+    if not any(e.offset > entry.offset for e in errors):  # cut before its error: the stack is not whole
         return None
     return Fact("stack", "plain-torch", entry.line_no, entry.offset)
 
@@ -249,7 +252,7 @@ def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -
             continue
         if at is not None:
             out.append(Fact("stack", name, norm.line_of_offset(at), at))
-    plain = _plain_torch({f.value for f in out}, frames)
+    plain = _plain_torch({f.value for f in out}, frames, errors)
     if plain is not None:
         out.append(plain)
     # the phase: the innermost frame of the last traceback that tells one (frames outward)
