@@ -685,3 +685,33 @@ def test_cuda_oom_said_in_prose_and_a_launcher_kill_during_start_up():
             "'--local_rank=1'] exits with return code = -11")
     assert _ids(segv) == []
     assert _ids(segv.replace("DeepSpeed info: version=0.8.3", "Before initializing optimizer states")) == []
+
+
+def test_an_empty_zero3_trace_invalidated_at_each_generate_is_not_the_inflight_problem():
+    # https://github.com/om-ai-lab/VLM-R1/issues/304 (GRPO under ZeRO-3, training goes on; verbatim lines)
+    empty = ("  0%|          | 17/80332 [05:57<444:04:18, 19.90s/it]Invalidate trace cache @ step 0 and module 31428: "
+             "cache has only 0 modules\nInvalidate trace cache @ step 0 and module 32301: cache has only 0 modules\n")
+    assert _ids(empty) == []
+    # an in-flight error after them is still that error (the entry's own symptom wording)
+    assert _ids(empty + "RuntimeError: still have inflight params [{'id': 1078, 'status': 'INFLIGHT'}]") \
+        == ["zero3-inflight-params"]
+
+
+def test_nccl_warn_lines_with_their_source_place_are_library_lines():
+    # https://github.com/NVIDIA/nccl/issues/328 (verbatim): NCCL's WARN lines carry the source file and line
+    text = ("node08:27106:27302 [0] include/shm.h:27 NCCL WARN Call to shm_open failed : Permission denied\n"
+            "node08:27106:27302 [0] NCCL INFO include/shm.h:41 -> 2\n"
+            "node08:27106:27302 [0] include/shm.h:48 NCCL WARN Error while creating shared memory segment "
+            "nccl-shm-recv-b7948f403864987a-0-3-0 (size 4460544)\n"
+            "RuntimeError: NCCL error in ProcessGroupNCCL.cpp:290, unhandled system error")
+    warns = [f.value for f in _facts(text).of("library") if f.value.startswith("nccl WARN")]
+    assert warns == ["nccl WARN Call to shm_open failed : Permission denied",
+                     "nccl WARN Error while creating shared memory segment nccl-shm-recv-b7948f403864987a-0-3-0 "
+                     "(size 4460544)"]
+    assert _ids(text)[:1] == ["shm-too-small"]
+    # an NCCL_IB_DISABLE echo is no diagnosis when NCCL's WARN names another failure (two lines composed
+    # here in NCCL's own forms: its environment echo, and init.cc's warning for a rank outside the world)
+    other = ("node08:27106:27106 [0] NCCL INFO NCCL_IB_DISABLE set by environment to 1.\n"
+             "node08:27106:27106 [0] init.cc:932 NCCL WARN Invalid rank requested : 2/2\n")
+    assert "nccl-p2p-ib-disabled" not in _ids(other)
+    assert _ids(other.splitlines()[0]) == ["nccl-p2p-ib-disabled"]
