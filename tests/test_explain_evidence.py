@@ -715,3 +715,15 @@ def test_nccl_warn_lines_with_their_source_place_are_library_lines():
              "node08:27106:27106 [0] init.cc:932 NCCL WARN Invalid rank requested : 2/2\n")
     assert "nccl-p2p-ib-disabled" not in _ids(other)
     assert _ids(other.splitlines()[0]) == ["nccl-p2p-ib-disabled"]
+
+
+def test_lightnings_refusal_of_gradient_accumulation_steps_told_in_prose():
+    # https://github.com/Lightning-AI/pytorch-lightning/issues/19891 (the opening sentences, verbatim,
+    # without the quoted exception) and #19350 (accumulation with DeepSpeed, nothing raised)
+    told = ("I want to use gradient accumulation in my training process. My first go at this is to define the "
+            "variable `gradient_accumulation_steps` in the DeepSpeed config whilst simultaneously passing in the "
+            "same value in the `Trainer` as an argument. In this case, `lightning` raises the following exception:")
+    assert _ids(told) == ["lightning-gradient-accumulation"]
+    assert _ids("I am using the pytorch lightning CLI, and set `--trainer.strategy=deepspeed_stage_2`. By adding a "
+                "print in `on_before_optimizer_step` hook, or `optimizer_step`, I can see the optimizer is called on "
+                "each step, ignoring `trainer.accumulate_grad_batches`.") == []
