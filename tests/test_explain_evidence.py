@@ -614,7 +614,8 @@ def test_which_cpp_failing_is_a_missing_compiler():
     # https://github.com/ssbuild/chatglm_finetuning/issues/166 and https://github.com/tianzhi0549/FCOS/issues/59
     assert _ids("subprocess.CalledProcessError: Command '['which', 'c++']' returned non-zero exit status 1.") \
         == ["missing-compiler"]
-    assert _ids("CalledProcessError: Command '['which', 'g++']' returned non-zero exit status 1.") == ["missing-compiler"]
+    assert _ids("CalledProcessError: Command '['which', 'g++']' returned non-zero exit status 1.") \
+        == ["missing-compiler"]
 
 
 def test_pydantic_1_type_and_extra_field_errors_in_a_deepspeed_config():

@@ -47,8 +47,8 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"\n]+)",? line (?P<line>\d+),? in (?P
 _DS_LINE = re.compile(r"^\s*(?:\[[^\]\n]*\]\s*)?\[(?P<level>INFO|WARNING|ERROR|DEBUG)\]\s*\[(?P<src>[\w.]+):\d+", re.M)
 #: NCCL's own lines: ``host:pid:tid [dev] NCCL INFO ...``, and its warnings with their source place
 #: (``host:pid:tid [0] include/shm.h:48 NCCL WARN Error while creating shared memory segment ...``).
-_NCCL_LINE = re.compile(r"^\s*[\w.-]*:\d+:\d+ \[\d+\] (?:[\w./-]+:\d+ )?NCCL (?P<level>INFO|WARN|ERROR) (?P<text>[^\n]*)",
-                        re.M)
+_NCCL_LINE = re.compile(r"^\s*[\w.-]*:\d+:\d+ \[\d+\] (?:[\w./-]+:\d+ )?NCCL (?P<level>INFO|WARN|ERROR)"
+                        r" (?P<text>[^\n]*)", re.M)
 _TORCH_LINE = re.compile(r"^\s*\[?(?P<level>[WEI])\d{4} [\d:.]+ (?:\d+ )?(?P<text>[^\n]*)", re.M)
 _CONFIG = re.compile(
     r"""["']?(?P<key>stage|zero_optimization_stage|offload_(?:param|optimizer)|overlap_comm|contiguous_gradients"""
