@@ -728,3 +728,16 @@ def test_lightnings_refusal_of_gradient_accumulation_steps_told_in_prose():
     assert _ids("I am using the pytorch lightning CLI, and set `--trainer.strategy=deepspeed_stage_2`. By adding a "
                 "print in `on_before_optimizer_step` hook, or `optimizer_step`, I can see the optimizer is called on "
                 "each step, ignoring `trainer.accumulate_grad_batches`.") == []
+
+
+def test_an_empty_parameter_described_in_a_zero3_run_is_the_placeholder():
+    # https://github.com/deepspeedai/DeepSpeed/issues/3570 (the description and its config, verbatim)
+    told = ("I was using deepspeed zero3 in a compression script. When the model was instantiated, I found that "
+            "every module was injected with a post_init method, which partitioned the parameters into multiple "
+            "groups and erase the original parameter. However, when the model was doing forward propagation, the "
+            "parameters were not gathered again, leading to empty weights for each layer.\n"
+            '"zero_optimization": {\n      "stage": 3,\n')
+    assert _ids(told) == ["zero3-param-not-available"]
+    # https://github.com/haotian-liu/LLaVA/issues/302: empty tensors printed, the paste naming no ZeRO-3 run
+    assert _ids("previous: tensor([], device='cuda:0', dtype=torch.float16)\n"
+                "after: tensor([], device='cuda:0', dtype=torch.float16)") == []
