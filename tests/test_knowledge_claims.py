@@ -20,7 +20,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from support.claims import claims
-from troubleshooter import knowledge, lint
+from troubleshooter import explain, knowledge, lint
 
 FAMILIES = {"config", "autoep", "native-moe-zero3", "zero3-pitfalls", "router-collapse"}
 
@@ -525,7 +525,8 @@ CHECKED = {
     "batch-arithmetic": ["test_batch_assertion_and_derived_accumulation"],
     "hf-auto-value": ["test_auto_values_under_raw_deepspeed_match_lints_classification",
                       "test_hf_trainer_resolves_auto"],
-    "config-value-type": ["test_wrong_types_fail_inside_deepspeed"],
+    "config-value-type": ["test_wrong_types_fail_inside_deepspeed",
+                          "test_a_section_given_as_a_boolean_is_a_value_type_error_not_an_unknown_key"],
     "config-file-format": ["test_deepspeed_reads_hjson_and_lightning_and_hf_do_not"],
     "lightning-gradient-accumulation": ["test_lightning_refuses_gradient_accumulation_steps"],
     "zero3-overlap-comm": ["test_zero_defaults_and_bounds"],
@@ -628,3 +629,19 @@ def test_every_claim_bearing_entry_of_these_families_has_a_real_check():
 #: claim is about a transformers version that is not installed (its symptom is kept in
 #: lightning_zeromoe/compat.py and matched by tests/test_knowledge.py).
 PENDING_CHECKS = {"autoep-transformers-5.23"}  # needs transformers 5.23 installed; measured once
+
+
+def test_a_section_given_as_a_boolean_is_a_value_type_error_not_an_unknown_key():
+    """pydantic's type errors inside DeepSpeed's ValidationError name config-value-type, with the key
+    and what was given; an unknown key in the same model stays unknown-config-key."""
+    err = raised(ds_config, {"train_batch_size": 1, "zero_optimization": {"offload_optimizer": True}})
+    text = f"{type(err).__name__}: {err}"
+    assert "Input should be a valid dictionary" in text
+    found = explain.explain_text(text)
+    assert [d.entry_id for d in found] == ["config-value-type"]
+    assert found[0].details["path"] == "offload_optimizer" and found[0].details["found"] == "bool"
+    assert "Make 'offload_optimizer' dictionary" in found[0].fix[0]
+    err = raised(ds_config, {"train_batch_size": 1, "zero_optimization": {"reduce_bucket_size": "big"}})
+    assert explain.explain_text(f"{type(err).__name__}: {err}")[0].entry_id == "config-value-type"
+    err = raised(ds_config, {"train_batch_size": 1, "zero_optimization": {"overlap_com": True}})
+    assert explain.explain_text(f"{type(err).__name__}: {err}")[0].entry_id == "unknown-config-key"

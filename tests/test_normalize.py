@@ -328,6 +328,35 @@ def test_frames_of_a_notebook_traceback_get_pythons_own_form_and_are_read_as_fra
     assert python_frames_from_notebooks(plain) == plain
 
 
+#: IPython 7's layout (before IPython 8): ``<path> in <function>(<arguments>)``, the frame's line
+#: on a later ``---> N`` row. Verbatim from a public post on dual numbers (found through the public
+#: code index; it is not a thread of the corpus).
+IPYTHON7_FRAMES = """AttributeError                            Traceback (most recent call last)
+<ipython-input-3-2f7f1012ae70> in <module>()
+----> 1 d1 + 4
+
+/Users/damon/ad.py in __add__(self, other)
+     11
+     12     def __add__(self, other):
+---> 13         return DualNumber(self.a + other.a, self.b + other.b)
+     14
+     15     def __sub__(self, other):
+
+AttributeError: 'int' object has no attribute 'a'"""
+
+
+def test_frames_of_an_ipython_7_traceback_get_pythons_own_form_with_the_arrows_line():
+    norm = _norm(IPYTHON7_FRAMES)
+    assert "notebook-frames" in norm.steps
+    facts = evidence.collect(norm)
+    assert [f.value for f in facts.of("frame")] == ["<ipython-input-3-2f7f1012ae70>::<module>",
+                                                    "/Users/damon/ad.py::__add__"]
+    assert 'File "/Users/damon/ad.py", line 13, in __add__' in norm.text
+    # a sentence with " in " and a path is no frame
+    prose = [(1, "/x/train.py in my setup fails")]
+    assert python_frames_from_notebooks(prose) == prose
+
+
 
 #: https://github.com/zai-org/GLM-4/issues/271 (four rows, verbatim): a traceback rich drew in a box,
 #: rank-prefixed, the second frame wrapped before its function's name.

@@ -21,7 +21,8 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   ``checkpoint-save``, ``checkpoint-load``, ``build``;
 * ``number``: numbers with a meaning: ``shape-zero`` (a size-0 tensor in an error message),
   ``params-size-zero`` (a printout listing parameters with 0 elements),
-  ``oom requested=... free=...``, ``timeout-ms=600000``;
+  ``oom requested=... free=...``, ``timeout-ms=600000``, ``uneven-batches`` (ranks that count
+  different numbers of batches: ``Rank = 2, Number of batches 8`` beside ``Rank = 0, ... 4``);
 * ``trend``: patterns over time: ``loss-scale-collapse`` (:mod:`troubleshooter.loss_scale`),
   ``expert-collapse`` (:mod:`troubleshooter.expert_load`), ``throughput-decay``,
   ``stopped-same-line`` (every rank's output ends on the same line, with no error).
@@ -44,7 +45,10 @@ __all__ = ["Evidence", "Fact", "collect", "helpful", "summary"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"\n]+)",? line (?P<line>\d+),? in (?P<func>[^\s\n]+)', re.M)
 _DS_LINE = re.compile(r"^\s*(?:\[[^\]\n]*\]\s*)?\[(?P<level>INFO|WARNING|ERROR|DEBUG)\]\s*\[(?P<src>[\w.]+):\d+", re.M)
-_NCCL_LINE = re.compile(r"^\s*[\w.-]*:\d+:\d+ \[\d+\] NCCL (?P<level>INFO|WARN|ERROR) (?P<text>[^\n]*)", re.M)
+#: NCCL's own lines: ``host:pid:tid [dev] NCCL INFO ...``, and its warnings with their source place
+#: (``host:pid:tid [0] include/shm.h:48 NCCL WARN Error while creating shared memory segment ...``).
+_NCCL_LINE = re.compile(r"^\s*[\w.-]*:\d+:\d+ \[\d+\] (?:[\w./-]+:\d+ )?NCCL (?P<level>INFO|WARN|ERROR)"
+                        r" (?P<text>[^\n]*)", re.M)
 _TORCH_LINE = re.compile(r"^\s*\[?(?P<level>[WEI])\d{4} [\d:.]+ (?:\d+ )?(?P<text>[^\n]*)", re.M)
 _CONFIG = re.compile(
     r"""["']?(?P<key>stage|zero_optimization_stage|offload_(?:param|optimizer)|overlap_comm|contiguous_gradients"""
@@ -105,6 +109,12 @@ _PARAM_ZERO = re.compile(r"^\W*[\w.]+\.(?:weight|bias)\b\W{1,4}(?:(?:numel|shape
                          r"(?:0|torch\.Size\(\[0\]\)|\[0\]|\(0,?\))\s*$", re.M)
 #: This many such lines make a listing, not an accident.
 PARAM_ZERO_LINES = 5
+#: A rank's own count of its batches (steps, samples, iterations), in either order on one line.
+_RANK_COUNT = re.compile(
+    r"\brank\W{0,4}(?P<rank>\d{1,4})\b[^\n]{0,24}?\b(?:number|num|no\.?|count|len|total)[ _]?(?:of[ _])?"
+    r"(?:training[ _])?(?:batches|steps|samples|iterations|iters)\W{0,4}(?P<count>\d+)"
+    r"|\brank\W{0,4}(?P<rank2>\d{1,4})\W{1,4}(?P<count2>\d+)\s+(?:training\s+)?(?:batches|steps|iterations)\b",
+    re.I)
 _TIMEOUT = re.compile(r"Timeout\(ms\)=(\d+)|timed? ?out (?:after|waiting) (\d+) ?ms"
                       r"|(\d+) milliseconds before timing out", re.I)
 _RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it|samples/s(?:ec)?|tokens?/s(?:ec)?|tok/s|TFLOPS)\b"
@@ -220,13 +230,16 @@ def _first(pattern: re.Pattern[str], norm: Normalized) -> int | None:
     return None if hit is None else hit.start()
 
 
-def _plain_torch(names: set[str], frames: list[Fact]) -> Fact | None:
+def _plain_torch(names: set[str], frames: list[Fact], errors: list[Fact]) -> Fact | None:
     """The ``plain-torch`` fact: the report holds a whole call stack, from the script's entry
-    (a ``<module>`` frame) to the error, none of whose frames is in a library that partitions or
+    (a ``<module>`` frame) to the error (an error line after that frame: a paste cut inside the stack
+    is not whole), none of whose frames is in a library that partitions or
     wraps the model (DeepSpeed, Accelerate, Transformers, PEFT, TRL, Lightning, Megatron), and the
     report never names one of them or a launcher: what failed ran outside any of them."""
     entry = next((f for f in frames if f.value.endswith("::<module>")), None)
     if entry is None or names & _WRAPPERS or any(_WRAPPER_FRAME.search(f.value) for f in frames):
+        return None
+    if not any(e.offset > entry.offset for e in errors):  # cut before its error: the stack is not whole
         return None
     return Fact("stack", "plain-torch", entry.line_no, entry.offset)
 
@@ -239,7 +252,7 @@ def _stack_and_phase(norm: Normalized, frames: list[Fact], errors: list[Fact]) -
             continue
         if at is not None:
             out.append(Fact("stack", name, norm.line_of_offset(at), at))
-    plain = _plain_torch({f.value for f in out}, frames)
+    plain = _plain_torch({f.value for f in out}, frames, errors)
     if plain is not None:
         out.append(plain)
     # the phase: the innermost frame of the last traceback that tells one (frames outward)
@@ -273,7 +286,28 @@ def _numbers(norm: Normalized, errors: list[Fact]) -> list[Fact]:
     if hit:
         ms = next(g for g in hit.groups() if g)
         out.append(Fact("number", f"timeout-ms={ms}", norm.line_of_offset(base + hit.start()), base + hit.start()))
+    uneven = _uneven_batches(tail) if re.search(r"rank", tail, re.I) else None
+    if uneven is not None:
+        text, at = uneven
+        out.append(Fact("number", text, norm.line_of_offset(base + at), base + at))
     return out
+
+
+def _uneven_batches(text: str) -> tuple[str, int] | None:
+    """Per-rank batch (step, sample) counts that differ (``Rank = 2, Number of batches 8`` beside
+    ``Rank = 0, Number of batches 4``; ``rank 1: 13 batches``): the ranks ran different numbers of
+    steps. The fact's text and the offset of the first count, or None."""
+    counts: dict[str, int] = {}
+    first = -1
+    for m in _RANK_COUNT.finditer(text):
+        rank = m.group("rank") or m.group("rank2")
+        count = int(m.group("count") or m.group("count2"))
+        counts.setdefault(rank, count)
+        first = m.start() if first < 0 else first
+    if len(counts) < 2 or len(set(counts.values())) < 2:
+        return None
+    listed = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items(), key=lambda rc: int(rc[0])))
+    return f"uneven-batches: the ranks count different numbers of batches ({listed})", first
 
 
 def _throughput_decay(text: str) -> str | None:

@@ -332,6 +332,15 @@ _IPYTHON_FRAME = re.compile(r"^(?P<indent>\s*)File \[?(?P<path>[^\s\[\]()\"]+?\.
                             r" in (?P<func>[\w.<>]+)")
 #: The notebook cell a traceback starts in (IPython 8): ``Cell In[4], line 7``.
 _IPYTHON_CELL = re.compile(r"^(?P<indent>\s*)Cell (?P<cell>In ?\[\d*\]), line (?P<line>\d+)")
+#: A frame as IPython 7 and older print it, with the frame's line on a later ``---> 1673`` row:
+#: ``~/.local/lib/python3.6/site-packages/torch/utils/cpp_extension.py in _run_ninja_build(build_directory, ...)``,
+#: ``<ipython-input-2-0e47f5b4e6b6> in <module>``.
+_IPYTHON7_FRAME = re.compile(r"^(?P<indent>\s*)(?P<path>(?:[~/]|[A-Za-z]:[\\/])\S*\.py|<ipython-input-[\w-]+>)"
+                             r" in (?P<func>[\w.<>]+)(?:\(|\s*$)")
+#: The row of such a frame that marks its line: ``-> 1673`` / ``---> 438``.
+_IPYTHON7_ARROW = re.compile(r"^\s*-+> ?(?P<line>\d+)\b")
+#: How many rows after an IPython 7 frame its arrow row may come.
+IPYTHON7_ROWS = 12
 
 
 def _py_frame(path: str, line: str, func: str, indent: str = "  ") -> str:
@@ -344,16 +353,30 @@ def python_frames_from_notebooks(lines: list[_Line]) -> list[_Line]:
     """Frames of a traceback copied from Jupyter or IPython get Python's own form, so they are read
     as frames: ``File ~/x/module.py:1747, in Module._call_impl(self)`` becomes ``File
     "~/x/module.py", line 1747, in _call_impl``; the cell it starts in (``Cell In[4], line 7``)
-    becomes the ``<module>`` frame it is."""
+    becomes the ``<module>`` frame it is. IPython 7's frames (``~/x/cpp_extension.py in
+    _run_ninja_build(build_directory, ...)``, the line on a later ``---> 1673`` row; ``<ipython-input-2-0e4>
+    in <module>``) get the same form."""
     out = []
-    for no, line in lines:
+    for i, (no, line) in enumerate(lines):
         stripped = line.lstrip()
         if stripped.startswith("File ") and ".py:" in line and (hit := _IPYTHON_FRAME.match(line)):
             line = _py_frame(hit.group("path"), hit.group("line"), hit.group("func"), hit.group("indent"))
         elif stripped.startswith("Cell In") and (hit := _IPYTHON_CELL.match(line)):
             line = _py_frame(f"<cell {hit.group('cell')}>", hit.group("line"), "<module>", hit.group("indent"))
+        elif " in " in line and (hit := _IPYTHON7_FRAME.match(line)):
+            line = _py_frame(hit.group("path"), _arrow_line(lines, i), hit.group("func"), hit.group("indent") or "  ")
         out.append((no, line))
     return out
+
+
+def _arrow_line(lines: list[_Line], at: int) -> str:
+    """The line number an IPython 7 frame marks with its arrow row (``---> 1673``), "0" if none."""
+    for _no, row in lines[at + 1:at + 1 + IPYTHON7_ROWS]:
+        if (hit := _IPYTHON7_ARROW.match(row)) is not None:
+            return hit.group("line")
+        if _IPYTHON7_FRAME.match(row):
+            break
+    return "0"
 
 
 # -- 3d. rich tracebacks -----------------------------------------------------------------------
