@@ -49,6 +49,7 @@ from torch import nn
 
 from lightning_zeromoe._private import transformers as hf_private
 from lightning_zeromoe.loading.expert_fusion import convert_row, copy_range_into_partition, load_expert_rows, split_expert_rows
+from lightning_zeromoe.loading.import_hooks import spec_without
 from lightning_zeromoe.loading.memory_release import FilePages, trim_heap
 
 if TYPE_CHECKING:
@@ -136,15 +137,8 @@ class ImportOutsideZeroInit(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if not name.startswith("transformers.models."):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+        spec = spec_without(self, name, path, target)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _OutsideZeroInitLoader(spec.loader)
         return spec
 

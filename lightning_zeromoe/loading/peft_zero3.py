@@ -34,6 +34,8 @@ from functools import wraps
 from types import ModuleType
 from typing import Any, Callable, Iterator, Sequence
 
+from lightning_zeromoe.loading.import_hooks import spec_without
+
 #: ``init_lora_weights`` values whose initialisation touches only the adapter's own tensors.
 _ADAPTER_ONLY_INITS = (True, False, "gaussian")
 
@@ -86,15 +88,8 @@ class _WhenImported(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        spec = spec_without(self, fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         execute, then = spec.loader.exec_module, self.then
 
