@@ -198,7 +198,7 @@ def _write_entry(tmp_path: Path, name: str, **changes) -> Path:
     lines, tables = [], []
     for key, value in fields.items():
         if key == "fixes":
-            tables += [f"[[fixes]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in item.items()) for item in value]
+            tables += ["[[fixes]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in item.items()) for item in value]
         elif value is not None:
             lines.append(f"{key} = {json.dumps(value)}")
     lines += tables
