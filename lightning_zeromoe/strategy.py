@@ -461,7 +461,6 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         proven first (:mod:`lightning_zeromoe.conversion.prove`), then ``deepspeed.initialize``
         (:func:`lightning_zeromoe.engine.build.initialize`)."""
         from lightning_zeromoe.conversion.prove import after_conversion, prove
-        from lightning_zeromoe.loading.memory_release import trim_heap
 
         found, module = self.discovery, self.lightning_module
         converts = False
@@ -473,7 +472,6 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
             for note in proof.notes:
                 self._once.info(note)
             self.discovery, config, converts = proof.found, proof.config, proof.converts
-            trim_heap()  # the probe's copies of the blocks are freed: give their pages back before the engine
         engine, ds_optimizer = initialize(model, config, device_rank=self._device_rank(),
                                           root_config=self.discovery.root_config if self.discovery else None,
                                           optimizer=optimizer, params=params, lr_scheduler=lr_scheduler)

@@ -60,14 +60,16 @@ def initialize(model: Module, config: DeepSpeedConfig, *, device_rank: int, root
 
     Around the call: DeepSpeed's Muon module is imported first without compiling its kernels
     (:func:`~lightning_zeromoe._private.deepspeed.import_muon_compiling_on_first_use`), and the heap
-    is trimmed afterwards (AutoEP's conversion frees each replaced block's weights, which glibc
-    otherwise keeps in the process: ~100 MB per rank on a 14M-parameter Mixtral, measured with
-    ``benchmarks/native_peer.py``).
+    is trimmed before (the conversion probe's copies of the blocks are freed by then) and after
+    (AutoEP's conversion frees each replaced block's weights). glibc otherwise keeps both in the
+    process: ~160 MB per rank at engine built on a 14M-parameter Mixtral, measured with
+    ``benchmarks/start_phases.py``.
     """
     import deepspeed
 
     from lightning_zeromoe.loading.memory_release import trim_heap
 
+    trim_heap()
     import_muon_compiling_on_first_use()
 
     wire = config_for_deepspeed(config.to_dict(), root_config)
