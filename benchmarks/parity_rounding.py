@@ -91,20 +91,11 @@ if trainer.global_rank == 0:
 
 
 def save_model(family: str, directory: Path) -> None:
-    import torch
-    import transformers
+    """The benchmark's model: ``native_peer.py``'s (hidden 256, expert intermediate 1024), saved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from native_peer import build_model
 
-    common = dict(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=256)
-    torch.manual_seed(0)
-    if family == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=1024, num_local_experts=8,
-                                                                           **common))
-    else:
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            moe_intermediate_size=1024, intermediate_size=1024, num_experts=8, decoder_sparse_step=1,
-            mlp_only_layers=[], head_dim=64, **common))
-    model.save_pretrained(directory)
+    build_model(family, 256, 1024).save_pretrained(directory)
 
 
 def main() -> None:
