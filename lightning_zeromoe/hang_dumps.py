@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,5 +92,34 @@ def request_dumps(directory: Path, skip_rank: int | None = None) -> list[tuple[i
     return done
 
 
-__all__ = ["DUMP_SIGNAL", "PROCESS", "TRACE", "is_dump_dir", "process_file", "read_processes", "request_dumps",
-           "runs_script", "trace_file"]
+def request_and_wait(directory: Path, wait: float, skip_rank: int | None = None) -> list[tuple[int, int, str]]:
+    """Signal the ranks whose process files are in ``directory`` (:func:`request_dumps`), then wait up to
+    ``wait`` seconds until each signalled rank's trace has been rewritten.
+
+    ``troubleshooter hang-dump`` uses it, and so does a failing rank before it lets its exception go: once
+    one rank exits, Lightning's launcher SIGKILLs the others within seconds, and a peer killed before it
+    answered leaves no trace (measured: the uneven-batches hang lost rank 0's trace that way, now and then,
+    on two busy cores). Returns :func:`request_dumps`'s list, with ``"no dump within the wait"`` for a
+    signalled rank that did not answer in time.
+    """
+    before = {rank: _mtime(trace_file(directory, rank)) for rank in read_processes(directory)}
+    sent = request_dumps(directory, skip_rank=skip_rank)
+    waiting = {rank for rank, _, outcome in sent if outcome == "sent"}
+    deadline = time.monotonic() + wait
+    while waiting:
+        waiting = {rank for rank in waiting if _mtime(trace_file(directory, rank)) in (None, before.get(rank))}
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return [(rank, pid, "no dump within the wait" if rank in waiting else outcome) for rank, pid, outcome in sent]
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+__all__ = ["DUMP_SIGNAL", "PROCESS", "TRACE", "is_dump_dir", "process_file", "read_processes", "request_and_wait",
+           "request_dumps", "runs_script", "trace_file"]

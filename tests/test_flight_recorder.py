@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from lightning_zeromoe.engine import flight_recorder
@@ -63,3 +64,62 @@ def test_sigusr1_makes_a_blocked_rank_write_its_trace(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+SLOW_PEER = textwrap.dedent("""
+    import json, os, signal, socket, sys, time
+    from pathlib import Path
+    directory, delay = Path(sys.argv[1]), float(sys.argv[2])
+
+    def answer(*_):
+        time.sleep(delay)  # a rank on a busy machine, slow to answer
+        (directory / "rank1").write_bytes(b"rank 1's trace")
+
+    signal.signal(signal.SIGUSR1, answer if delay >= 0 else signal.SIG_IGN)
+    (directory / "process1.json").write_text(json.dumps({"rank": 1, "world_size": 2, "pid": os.getpid(),
+                                                         "host": socket.gethostname(), "script": "slow_peer.py"}))
+    print("ready", flush=True)
+    time.sleep(120)
+""")
+
+
+def _peer(tmp_path: Path, delay: float) -> subprocess.Popen:
+    script = tmp_path / "slow_peer.py"
+    script.write_text(SLOW_PEER)
+    peer = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(delay)], stdout=subprocess.PIPE, text=True)
+    assert peer.stdout.readline().strip() == "ready"
+    return peer
+
+
+def test_a_failing_rank_waits_for_the_other_ranks_traces(tmp_path, monkeypatch):
+    """Once the failing rank exits, Lightning's launcher SIGKILLs the others within seconds: a peer that had not
+    yet written its trace left none (the uneven-batches hang lost rank 0's now and then). The failing rank
+    (this process, the real ``Flight.failed``) now returns only when the peer (a real process that takes 2 s to
+    answer ``SIGUSR1``) has written its trace."""
+    from lightning_zeromoe.engine import group_exit
+
+    monkeypatch.setattr(group_exit.STATE, "failed", False)  # failed() marks it; this process is pytest's
+    peer = _peer(tmp_path, delay=2.0)
+    try:
+        flight = flight_recorder.Flight(True)
+        flight.recorder = flight_recorder.Recorder(tmp_path, 0, 2)
+        flight.failed(RuntimeError("Timed out waiting 6000ms for recv operation to complete"), rank=0)
+        assert (tmp_path / "rank0").exists()
+        assert (tmp_path / "rank1").read_bytes() == b"rank 1's trace"
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_the_wait_for_a_silent_rank_is_bounded(tmp_path):
+    from lightning_zeromoe import hang_dumps
+
+    peer = _peer(tmp_path, delay=-1)  # ignores the signal
+    try:
+        start = time.monotonic()
+        outcome = hang_dumps.request_and_wait(tmp_path, wait=1.0)
+        assert outcome == [(1, peer.pid, "no dump within the wait")]
+        assert 1.0 <= time.monotonic() - start < 10
+    finally:
+        peer.kill()
+        peer.wait()

@@ -237,11 +237,12 @@ def _add_hang_dump(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_hang_dump(args: argparse.Namespace) -> int:
+    from lightning_zeromoe import hang_dumps
     from troubleshooter import hangs
 
     if not hangs.is_dump_dir(args.directory):
         return _input_error(f"hang-dump: {args.directory} holds no process<N>.json of a running job", args.json)
-    for rank, pid, outcome in hangs.request_and_wait(args.directory, args.wait):
+    for rank, pid, outcome in hang_dumps.request_and_wait(args.directory, args.wait):
         print(f"rank {rank} (pid {pid}): {outcome}", file=sys.stderr)
     return _explain_hang(args.directory, args.json)
 

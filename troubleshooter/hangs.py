@@ -324,25 +324,6 @@ def render(report: HangReport) -> list[str]:
     return lines
 
 
-def request_and_wait(directory: Path, wait: float) -> list[tuple[int, int, str]]:
-    """``hang-dump``: signal the ranks of the run whose dumps go to ``directory``, then wait up to ``wait``
-    seconds for each signalled rank's trace to be rewritten."""
-    import time
-
-    before = {r: hang_dumps.trace_file(directory, r).stat().st_mtime_ns
-              for r in hang_dumps.read_processes(directory) if hang_dumps.trace_file(directory, r).exists()}
-    sent = hang_dumps.request_dumps(directory)
-    waiting = {rank for rank, _, outcome in sent if outcome == "sent"}
-    deadline = time.monotonic() + wait
-    while waiting and time.monotonic() < deadline:
-        for rank in list(waiting):
-            path = hang_dumps.trace_file(directory, rank)
-            if path.exists() and path.stat().st_mtime_ns != before.get(rank):
-                waiting.discard(rank)
-        time.sleep(0.1)
-    return [(r, pid, "no dump within the wait" if r in waiting else outcome) for r, pid, outcome in sent]
-
-
 def recent_dump_dirs(candidates: list[Path], within_s: float = 900.0) -> list[Path]:
     """The candidates that hold a trace written in the last ``within_s`` seconds (the Jupyter assistant
     and ``doctor --report`` look in ``<default_root_dir>/flight_recorder``)."""
@@ -390,4 +371,4 @@ def analyse(directory: str | Path) -> HangReport:
 
 
 __all__ = ["Divergence", "HangInputError", "HangReport", "Op", "analyse", "dump_dir_in_log", "is_dump_dir",
-           "recent_dump_dirs", "render", "request_and_wait", "summary_lines"]
+           "recent_dump_dirs", "render", "summary_lines"]

@@ -40,6 +40,9 @@ from lightning_zeromoe.engine import group_exit
 #: Entries per group's ring buffer when the strategy turns the recorder on: a ZeRO-3 step of a small
 #: model issues a few hundred collectives, so this covers the last steps before a hang.
 DEFAULT_BUFFER = 2000
+#: Seconds a failing rank waits for the other ranks' traces (a rank that is alive answers in well under a
+#: second; one that does not answer costs this much once, after the collective timeout itself).
+PEER_DUMP_WAIT = 30.0
 #: The user's settings that mean "I configured the recorder myself".
 USER_SETTINGS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 #: Where torch's NCCL watchdog writes its dumps (prefix + rank).
@@ -152,10 +155,11 @@ class Recorder:
             self._write_process_file(reason=reason)
         return path
 
-    def signal_peers(self) -> list[tuple[int, int, str]]:
+    def signal_peers(self, wait: float = 0.0) -> list[tuple[int, int, str]]:
         """Ask the other ranks of this run on this host for their dumps (before they are stopped, or while
-        they wait in a collective). Only processes still running the same script get the signal."""
-        return hang_dumps.request_dumps(self.directory, skip_rank=self.rank)
+        they wait in a collective), and wait up to ``wait`` seconds for them to answer. Only processes still
+        running the same script get the signal."""
+        return hang_dumps.request_and_wait(self.directory, wait, skip_rank=self.rank)
 
     def _write_process_file(self, reason: str | None) -> None:
         info = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname(),
@@ -259,14 +263,16 @@ class Flight:
         return self.recorder.dump(reason) if self.recorder is not None else None
 
     def failed(self, exception: BaseException, rank: int) -> None:
-        """A Trainer call raised: this rank's trace, then the other ranks' (they may wait in a collective);
-        at exit, this rank will not wait for the others."""
+        """A Trainer call raised: this rank's trace, then the other ranks' (they may wait in a collective).
+        This rank waits for their traces before its exception goes on: once it exits, Lightning's launcher
+        stops the other ranks within seconds, and a rank stopped before it dumped leaves no trace. At exit,
+        this rank will not wait for the others."""
         group_exit.mark_failed()
         try:
             path = self.dump(f"{type(exception).__name__}: {str(exception)[:300]}")
             if path is None or self.recorder is None:
                 return
-            self.recorder.signal_peers()
+            self.recorder.signal_peers(wait=PEER_DUMP_WAIT)
         except Exception as error:  # noqa: BLE001 - the user's exception is what propagates, never ours
             print(f"[rank {rank}] Flight Recorder trace not written: {type(error).__name__}: {error}", file=sys.stderr,
                   flush=True)

@@ -94,7 +94,7 @@ def rank_main(args: argparse.Namespace) -> None:
         print(f"rank {rank} finished", flush=True)
     except Exception as error:  # what the strategy's on_exception does
         recorder.dump(f"{type(error).__name__}: {error}")
-        recorder.signal_peers()
+        recorder.signal_peers(wait=flight_recorder.PEER_DUMP_WAIT)
         print(f"rank {rank} failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
         raise SystemExit(1)
 
