@@ -5,7 +5,10 @@ these files, and ``troubleshooter hang-dump`` / ``explain`` read them without lo
 
 * ``rank<N>``: rank N's Flight Recorder dump (torch's pickle format, what ``fr_trace`` reads);
 * ``process<N>.json``: rank N's pid, host and script, the groups it is in with their global ranks,
-  why and when it last dumped, and the modules its last ZeRO-3 gathers served.
+  why and when it last dumped, and the modules its last ZeRO-3 gathers served;
+* ``stacks<N>.txt``: rank N's Python stacks if it died of a fatal error (an abort, a segfault, a bus
+  error), written by :mod:`faulthandler`; empty while it lives. A rank that dies that way writes no
+  trace, and these stacks are then its only account of the collective it was in.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from typing import Any
 
 TRACE_PREFIX = "rank"
 PROCESS_PREFIX = "process"
+STACKS_PREFIX = "stacks"
 TRACE = re.compile(rf"^{TRACE_PREFIX}(\d+)$")
 PROCESS = re.compile(rf"^{PROCESS_PREFIX}(\d+)\.json$")
+STACKS = re.compile(rf"^{STACKS_PREFIX}(\d+)\.txt$")
 #: The signal that asks a rank for its dump (the strategy listens for it).
 DUMP_SIGNAL = signal.SIGUSR1
 
@@ -33,6 +38,25 @@ def trace_file(directory: Path, rank: int) -> Path:
 
 def process_file(directory: Path, rank: int) -> Path:
     return directory / f"{PROCESS_PREFIX}{rank}.json"
+
+
+def stacks_file(directory: Path, rank: int) -> Path:
+    return directory / f"{STACKS_PREFIX}{rank}.txt"
+
+
+def read_fatal_stacks(directory: Path) -> dict[int, str]:
+    """Rank -> the text :mod:`faulthandler` wrote when that rank died of a fatal error (empty files skipped)."""
+    found = {}
+    for path in directory.iterdir():
+        if (match := STACKS.match(path.name)) is None:
+            continue
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        if text.strip():
+            found[int(match.group(1))] = text
+    return found
 
 
 def is_dump_dir(path: Path) -> bool:
@@ -121,5 +145,5 @@ def _mtime(path: Path) -> int | None:
         return None
 
 
-__all__ = ["DUMP_SIGNAL", "PROCESS", "TRACE", "is_dump_dir", "process_file", "read_processes", "request_and_wait",
-           "request_dumps", "runs_script", "trace_file"]
+__all__ = ["DUMP_SIGNAL", "PROCESS", "STACKS", "TRACE", "is_dump_dir", "process_file", "read_fatal_stacks",
+           "read_processes", "request_and_wait", "request_dumps", "runs_script", "stacks_file", "trace_file"]

@@ -8,6 +8,7 @@ file, and the rank's watcher thread writes the trace torch's reader loads.
 from __future__ import annotations
 
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -123,3 +124,61 @@ def test_the_wait_for_a_silent_rank_is_bounded(tmp_path):
     finally:
         peer.kill()
         peer.wait()
+
+
+ABORTING_PAIR = textwrap.dedent("""
+    import os, sys, threading
+    from datetime import timedelta
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from lightning_zeromoe.engine import collectives, flight_recorder
+    directory, port, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    flight_recorder.enable(100, directory)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    recorder = flight_recorder.Recorder(directory, rank, 2)
+    recorder.announce()
+    dist.all_reduce(torch.ones(3))  # both ranks agree on the first collective
+
+    # the steps' collectives are a library's (as a model's are), issued through this package's own
+    def validation_step():  # rank 0: one batch short, it evaluates, and dies inside the collective
+        threading.Timer(2.0, os.abort).start()
+        collectives.all_reduce(torch.ones(5))
+
+    def training_step():  # rank 1: still training, waits for a peer that is gone
+        try:
+            collectives.broadcast(torch.ones(7), src=1)
+            collectives.all_reduce(torch.ones(7))
+        except RuntimeError as error:
+            recorder.dump(f"{type(error).__name__}: {error}")
+
+    validation_step() if rank == 0 else training_step()
+""")
+
+
+def test_a_rank_that_aborts_inside_a_collective_leaves_its_side_in_its_stacks(tmp_path):
+    """A rank that dies of a fatal error writes no trace: gloo's size check on a mismatched collective aborts
+    the process from its I/O thread (the uneven-batches hang ended that way in 3 of 10 launches here), NCCL's
+    watchdog aborts on a timeout. Its Python stacks, written by faulthandler to ``stacks<N>.txt``, give its
+    side. Two real gloo ranks: rank 0 aborts (``os.abort`` from a timer thread stands in for gloo's own abort:
+    the same SIGABRT) while its main thread is in ``all_reduce`` in ``validation_step``; rank 1 waits in
+    ``training_step`` and dumps when the connection drops."""
+    from troubleshooter import hangs
+
+    env = dict(job_env(), PYTHONPATH=str(REPO))
+    for name in ("TORCH_FR_BUFFER_SIZE", "PYTHONFAULTHANDLER"):
+        env.pop(name, None)
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", ABORTING_PAIR, str(tmp_path), port, str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert ranks[0].returncode == -signal.SIGABRT, outputs[0][-2000:]
+    assert "Fatal Python error: Aborted" in (tmp_path / "stacks0.txt").read_text()
+    assert (tmp_path / "stacks1.txt").read_text() == ""  # rank 1 lived: nothing written
+    report = hangs.analyse(tmp_path)
+    text = "\n".join(report.lines())
+    assert report.missing == [0] and report.entry_id == "hang-uneven-batches", text
+    dead = next(op for op in report.divergence.issued if op.rank == 0)
+    assert (dead.name, dead.phase, dead.died) == ("all_reduce", "validation_step", "Fatal Python error: Aborted")
+    assert {op.phase for op in report.divergence.issued} == {"training_step", "validation_step"}, text
+    assert "rank 0 was in all_reduce" in text and "stacks0.txt" in text, text

@@ -66,8 +66,13 @@ class Op:
     module: str | None
     caller: str | None
     time_ns: int
+    #: For a rank that died of a fatal error: what it died of (its side comes from its stacks, not a trace).
+    died: str | None = None
 
     def describe(self) -> str:
+        if self.died:
+            where = (f" (from {self.caller})" if self.caller else "") + (f" in {self.phase}" if self.phase else "")
+            return f"{self.name}{where} when it died: {self.died} (its Python stacks: stacks{self.rank}.txt)"
         text = f"{self.name} in {self.input_sizes} out {self.output_sizes} {'/'.join(self.dtypes) or '-'}"
         if self.module:
             text += f" (ZeRO-3 gather for {self.module})"
@@ -117,7 +122,8 @@ class HangReport:
             return out
         out.append(f"First divergence: group {d.group} ({d.desc}, ranks {_ranks(d.members)}), collective #{d.seq}")
         for op in d.issued:
-            out.append(f"  rank {op.rank} issued {op.describe()} [{op.state}]")
+            out.append(f"  rank {op.rank} was in {op.describe()}" if op.died
+                       else f"  rank {op.rank} issued {op.describe()} [{op.state}]")
         for rank in d.silent:
             last = d.last_of_silent.get(rank)
             tail = f" (its last in this group: #{last.seq} {last.name} [{last.state}])" if last else ""
@@ -218,6 +224,45 @@ def _op(rank: int, entry: dict[str, Any], process: dict[str, Any]) -> Op:
               time_ns=int(entry.get("time_created_ns") or 0))
 
 
+#: faulthandler's output: the error, then per thread a header and its frames, most recent call first.
+FATAL_ERROR = re.compile(r"^Fatal Python error: (?P<what>.+)$", re.MULTILINE)
+THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) (?P<ident>0x[0-9a-f]+) \(most recent call first\):$")
+FRAME_LINE = re.compile(r'^\s+File "(?P<filename>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+
+
+def _main_thread_frames(text: str, main_thread: int | None) -> list[dict[str, Any]]:
+    """The main thread's frames (innermost first) in faulthandler's text; without its id, the thread that was
+    in a Lightning step, else the last one listed (faulthandler lists the main thread last)."""
+    threads: list[tuple[int, list[dict[str, Any]]]] = []
+    for line in text.splitlines():
+        if header := THREAD_HEADER.match(line):
+            threads.append((int(header.group("ident"), 16), []))
+        elif (frame := FRAME_LINE.match(line)) and threads:
+            threads[-1][1].append({"name": frame.group("name"), "filename": frame.group("filename"),
+                                   "line": int(frame.group("line"))})
+    if not threads:
+        return []
+    by_id = dict(threads)
+    if main_thread in by_id:
+        return by_id[main_thread]
+    return next((frames for _, frames in threads if _phase(frames)), threads[-1][1])
+
+
+def _crash_op(rank: int, text: str, process: dict[str, Any]) -> Op | None:
+    """A rank that died of a fatal error: the collective its main thread was in, from its stacks (None if it
+    was in none)."""
+    frames = _main_thread_frames(text, process.get("main_thread"))
+    collective = next((f for f in frames if "/torch/distributed/" in f["filename"].replace("\\", "/")
+                       and f["name"] not in ("wrapper", "_fn", "inner")), None)
+    if collective is None:
+        return None
+    fatal = FATAL_ERROR.search(text)
+    origin, caller = _origin(frames)
+    return Op(rank=rank, name=collective["name"], seq=-1, input_sizes=[], output_sizes=[], dtypes=[],
+              state="died", origin=origin, phase=_phase(frames), module=None, caller=caller, time_ns=0,
+              died=f"Fatal Python error: {fatal.group('what')}" if fatal else "a fatal error")
+
+
 def _groups(processes: dict[int, dict[str, Any]], traces: dict[int, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Group name -> {desc, members}: from the process files (gloo's dump has no members)."""
     groups: dict[str, dict[str, Any]] = {}
@@ -236,7 +281,7 @@ def _groups(processes: dict[int, dict[str, Any]], traces: dict[int, dict[str, An
 
 
 def _diverge(name: str, group: dict[str, Any], traces: dict[int, dict[str, Any]],
-             processes: dict[int, dict[str, Any]]) -> Divergence | None:
+             processes: dict[int, dict[str, Any]], crashed: dict[int, Op]) -> Divergence | None:
     members = sorted(group["members"])
     if len(members) < 2:
         return None
@@ -261,9 +306,10 @@ def _diverge(name: str, group: dict[str, Any], traces: dict[int, dict[str, Any]]
             continue
         last = {r: (_op(r, by_rank[r][max(by_rank[r])], processes.get(r, {})) if by_rank[r] else None)
                 for r in silent}
+        issued.update({r: crashed[r] for r in no_dump if r in crashed})  # a dead rank's side, from its stacks
         return Divergence(group=name, desc=group["desc"], members=members, seq=seq,
                           issued=[op for _, op in sorted(issued.items())],
-                          silent=silent, last_of_silent=last, no_dump=no_dump)
+                          silent=silent, last_of_silent=last, no_dump=[r for r in no_dump if r not in crashed])
     return None
 
 
@@ -296,15 +342,19 @@ def _kind(d: Divergence) -> str:
     return "nccl-watchdog-timeout"
 
 
-def _explain(found: list[Divergence], missing: list[int]) -> tuple[Divergence | None, str | None]:
-    """The divergence to show and its entry: a dead rank first; else the most specific kind, earliest."""
+def _explain(found: list[Divergence], missing: list[int],
+             crashed: dict[int, Op]) -> tuple[Divergence | None, str | None]:
+    """The divergence to show and its entry: a dead rank first, unless every dead rank's stacks show the
+    collective it died in and the sides name a more specific pattern; else the most specific kind, earliest."""
     def issued_at(d: Divergence) -> int:
-        return min([op.time_ns for op in d.issued] or [1 << 62])
+        return min([op.time_ns for op in d.issued if op.died is None] or [1 << 62])
 
     if not found:
         return None, ("peer-rank-died" if missing else None)
     if missing:  # the survivors' latest collective is the one that waited for the dead rank
-        return max(found, key=issued_at), "peer-rank-died"
+        shown = max(found, key=issued_at)
+        kind = _kind(shown) if set(missing) <= set(crashed) else None
+        return shown, (kind if kind in KINDS else "peer-rank-died")
     kinds = sorted(((KINDS.index(k) if k in KINDS else len(KINDS), issued_at(d), k, i)
                     for i, d in enumerate(found) for k in [_kind(d)]))
     _, _, kind, index = kinds[0]
@@ -362,9 +412,11 @@ def analyse(directory: str | Path) -> HangReport:
     traces, processes = _load(directory)
     world = max([int(p.get("world_size", 0)) for p in processes.values()] + [max(traces, default=-1) + 1])
     missing = sorted(set(range(world)) - set(traces))
+    crashed = {rank: op for rank, text in hang_dumps.read_fatal_stacks(directory).items()
+               if rank in missing and (op := _crash_op(rank, text, processes.get(rank, {}))) is not None}
     groups = _groups(processes, traces)
-    found = [d for name, g in groups.items() if (d := _diverge(name, g, traces, processes)) is not None]
-    shown, entry_id = _explain(found, missing)
+    found = [d for name, g in groups.items() if (d := _diverge(name, g, traces, processes, crashed)) is not None]
+    shown, entry_id = _explain(found, missing, crashed)
     return HangReport(directory=str(directory), ranks=sorted(traces), missing=missing, divergence=shown,
                       entry_id=entry_id,
                       reasons={r: p.get("dumped") for r, p in sorted(processes.items())})

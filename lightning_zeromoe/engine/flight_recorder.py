@@ -15,7 +15,8 @@ process file records them, with the modules whose ZeRO-3 gathers ran last (:clas
 
 A dump is written when a Trainer call raises (a collective timeout, a dead peer: the strategy's
 ``on_exception``), and on demand on ``SIGUSR1``: a thread woken through ``signal.set_wakeup_fd`` writes
-it, so a rank whose main thread is stuck inside a collective still answers.
+it, so a rank whose main thread is stuck inside a collective still answers. A rank that dies of a fatal
+error writes no dump; :mod:`faulthandler` writes its Python stacks instead (``stacks<N>.txt``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -32,7 +34,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 from lightning_zeromoe import hang_dumps
 from lightning_zeromoe.engine import group_exit
@@ -126,6 +128,7 @@ class Recorder:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _watcher: threading.Thread | None = None
     _sockets: tuple[socket.socket, socket.socket] | None = None
+    _stacks: IO[str] | None = None
 
     def process_file(self) -> Path:
         return hang_dumps.process_file(self.directory, self.rank)
@@ -134,10 +137,26 @@ class Recorder:
         return hang_dumps.trace_file(self.directory, self.rank)
 
     def announce(self) -> None:
-        """Write this rank's pid file and listen for :data:`DUMP_SIGNAL` (call from the main thread)."""
+        """Write this rank's pid file, keep its Python stacks should it die of a fatal error, and listen for
+        :data:`DUMP_SIGNAL` (call from the main thread)."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._catch_fatal_errors()
         self._write_process_file(reason=None)
         self._listen()
+
+    def _catch_fatal_errors(self) -> None:
+        """A rank that aborts (gloo's size check on a mismatched collective ends the process from its I/O thread;
+        NCCL's watchdog aborts on a timeout), segfaults or gets SIGBUS runs no Python and writes no trace.
+        :mod:`faulthandler` writes every thread's Python stack to ``stacks<N>.txt`` from its C signal handler;
+        the analysis reads the main thread's innermost collective and Lightning step there. A faulthandler the
+        user (or ``PYTHONFAULTHANDLER``) turned on is left as it is."""
+        if self._stacks is not None or (faulthandler.is_enabled() and _FATAL_STACKS.file is None):
+            return
+        self._stacks = hang_dumps.stacks_file(self.directory, self.rank).open("w")  # a new run: no stale stacks
+        faulthandler.enable(file=self._stacks, all_threads=True)  # a later run in this process moves it to its own
+        if _FATAL_STACKS.file is not None:
+            _FATAL_STACKS.file.close()
+        _FATAL_STACKS.file = self._stacks
 
     def dump(self, reason: str) -> Path | None:
         """Write this rank's trace and process file; returns the trace's path (None if torch cannot dump)."""
@@ -165,6 +184,7 @@ class Recorder:
         info = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname(),
                 "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "",
                 "groups": _groups(), "dumped": reason, "time_ns": time.time_ns(),
+                "main_thread": threading.main_thread().ident, "fatal_stacks": self._stacks is not None,
                 "gathers": [list(r) for r in self.gathers.records]}
         tmp = self.directory / f".{self.process_file().name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(info))
@@ -202,6 +222,16 @@ class Recorder:
 
         self._watcher = threading.Thread(target=watch, name="zeromoe-flight-recorder", daemon=True)
         self._watcher.start()
+
+
+@dataclasses.dataclass
+class _FatalStacks:
+    """The file this process's faulthandler writes to, when the strategy turned it on (None: it did not)."""
+
+    file: IO[str] | None = None
+
+
+_FATAL_STACKS = _FatalStacks()
 
 
 def _groups() -> dict[str, dict[str, Any]]:
