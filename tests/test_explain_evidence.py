@@ -847,3 +847,8 @@ def test_a_trace_invalidated_for_the_same_module_is_deepspeeds_check_misfiring()
 def test_the_loss_scale_minimum_quoted_in_a_sentence_is_the_fp16_collapse():
     # https://github.com/ymcui/Chinese-LLaMA-Alpaca-2/issues/486 (verbatim)
     assert _ids("我在使用数据做训练的时候DeepSpeed提示Loss scale already at minimum然后就自己中断训练了") == ["fp16-moe"]
+
+
+def test_transformers_older_refusal_of_a_client_optimizer_under_offload_is_the_same_entry():
+    # https://github.com/huggingface/transformers/issues/11044 (verbatim error line; holdout4 of the corpus)
+    assert _ids("ValueError: ZeRO Offload can only work with DeepSpeed optimizers") == ["offload-needs-ds-cpu-optimizer"]
