@@ -838,8 +838,9 @@ def test_an_index_past_a_zero3_placeholders_only_dimension_is_the_placeholder():
 
 def test_a_trace_invalidated_for_the_same_module_is_deepspeeds_check_misfiring():
     # https://github.com/deepspeedai/DeepSpeed/issues/5033 (verbatim)
-    same = ("I am using pytorch lightning with deepspeed zero3, with offload. Each step of the training, I am receiving "
-            'the following warning: `"Invalidate trace cache @ step 975: expected module 1003, but got module 1003"`')
+    same = ("I am using pytorch lightning with deepspeed zero3, with offload. Each step of the training, I am "
+            'receiving the following warning: `"Invalidate trace cache @ step 975: expected module 1003, but got '
+            'module 1003"`')
     assert _ids(same) == []
     assert _ids(same.replace("got module 1003", "got module 1004")) == ["zero3-inflight-params"]
 
@@ -851,4 +852,5 @@ def test_the_loss_scale_minimum_quoted_in_a_sentence_is_the_fp16_collapse():
 
 def test_transformers_older_refusal_of_a_client_optimizer_under_offload_is_the_same_entry():
     # https://github.com/huggingface/transformers/issues/11044 (verbatim error line; holdout4 of the corpus)
-    assert _ids("ValueError: ZeRO Offload can only work with DeepSpeed optimizers") == ["offload-needs-ds-cpu-optimizer"]
+    assert _ids("ValueError: ZeRO Offload can only work with DeepSpeed optimizers") \
+        == ["offload-needs-ds-cpu-optimizer"]
