@@ -854,3 +854,18 @@ def test_transformers_older_refusal_of_a_client_optimizer_under_offload_is_the_s
     # https://github.com/huggingface/transformers/issues/11044 (verbatim error line; holdout4 of the corpus)
     assert _ids("ValueError: ZeRO Offload can only work with DeepSpeed optimizers") \
         == ["offload-needs-ds-cpu-optimizer"]
+
+
+def test_a_kill_told_in_words_is_a_sigkill_named_only_in_a_report_about_memory():
+    # https://github.com/deepspeedai/DeepSpeedExamples/issues/498's numbers, its "caused exited -9" told as
+    # "got killed" (the form of holdout2's "killed at Loading checkpoint shards" reports)
+    told = "When use 8 GPU, max usage of cpu memory nearly 8*60GB and the processes got killed."
+    assert [f.value for f in _facts(told).of("signal")] == ["SIGKILL: got killed"]
+    assert _ids(told) == ["cpu-oom"]
+    # a kill with nothing about memory (a person or a scheduler stopping a job) names nothing, and the
+    # summary says what was recognised; a DataLoader worker "killed by signal: Bus error" is no SIGKILL
+    alone = "训练到第二个epoch时进程被kill了"
+    assert _ids(alone) == []
+    assert explain.recognised(explain.from_text(alone)).summary.startswith("a run ended by SIGKILL")
+    assert [f.value.split(":")[0] for f in _facts("DataLoader worker (pid 47) is killed by signal: Bus error.")
+            .of("signal")] == ["SIGBUS"]

@@ -29,7 +29,8 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
 * ``signal``: a process ended by a signal, ``SIGKILL (exit -9): <as printed>``, however it is told:
   torch elastic's ``exitcode  : -9`` and ``Signal 7 (SIGBUS) received by PID``, DeepSpeed's launcher
   ``exits with return code = -9``, a shell's 128+N status (``exit code 137``), UCX's ``Caught signal 7
-  (Bus error``, or the reporter's words (``I return -9 directly``, ``exited -9``, ``bus error``);
+  (Bus error``, or the reporter's words (``I return -9 directly``, ``exited -9``, ``bus error``, ``got
+  killed``, ``被kill``);
 * ``told``: a problem stated in words, in English or Chinese, with no library line for it:
   ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``);
 * ``cut``: the innermost frame of a traceback the paste cut before its error line
@@ -157,7 +158,9 @@ _EXIT_SIGNAL = re.compile(
     r"|\bSignal (?P<num>\d{1,2}) \(SIG[A-Z]+\)|\bCaught signal (?P<num2>\d{1,2}) \("
     r"|\b(?:killed|terminated|died) (?:with|by) signal:? (?P<num3>\d{1,2})\b"
     r"|\b(?:killed|terminated|died) (?:with|by) signal:? (?P<name>SIG[A-Z]+)\b"
-    r"|(?P<bus>\bbus error\b)|(?P<segv>\bsegmentation fault\b)", re.I)
+    r"|(?P<bus>\bbus error\b)|(?P<segv>\bsegmentation fault\b)"
+    r"|\b(?:got|gets?|was|were|been|is|are|being)\s+(?P<killed>killed)\b(?!\s+(?:by|with)\s+signal)"
+    r"|(?P<killed_zh>被\s*kill(?:ed)?|被杀)", re.I)
 #: DeepSpeed's see_memory_usage (runtime/utils.py): ``CPU Virtual Memory:  used = 29.71 GB, percent = 95.3%``.
 _HOST_MEMORY = re.compile(r"CPU Virtual Memory:\s+used = (?P<used>[\d.]+) ?GB, percent = (?P<pct>[\d.]+)%")
 #: A host-memory reading this high (percent) is the host near its end.
@@ -346,6 +349,8 @@ def _signal_of(m: re.Match[str]) -> str | None:
         return "SIGBUS"
     if m.group("segv"):
         return "SIGSEGV"
+    if m.group("killed") or m.group("killed_zh"):  # "the process got killed": told, with no number
+        return "SIGKILL"
     if m.group("name"):
         return m.group("name").upper()
     raw = m.group("neg") or m.group("neg2")
@@ -552,6 +557,10 @@ def summary(ev: Evidence) -> str:
         return f"{run} failed{where} with {kind}{about} (line {last.line_no})"
     if trends:
         return f"{run} shows {trends[-1].value.split(':', 1)[0]}, without an error line"
+    signals = ev.of("signal")
+    if signals:
+        last = signals[-1]
+        return f"{run} ended by {last.value.split(':', 1)[0]}, without an error line (line {last.line_no})"
     return f"{run}; no error line was found"
 
 
@@ -562,6 +571,7 @@ def helpful(ev: Evidence, limit: int = 8) -> tuple[Fact, ...]:
     picked += list(ev.of("error"))[-2:]
     picked += list(ev.of("frame"))[-2:]
     picked += list(ev.of("trend"))
+    picked += list(ev.of("signal"))[-1:] + list(ev.of("told")) + list(ev.of("cut"))
     picked += list(ev.of("number"))
     picked += [f for f in ev.of("library") if re.search(r"\b(?:WARN(?:ING)?|ERROR|W|E)\b", f.value)][-2:]
     picked += list(ev.of("config"))[:3]
