@@ -869,3 +869,14 @@ def test_a_kill_told_in_words_is_a_sigkill_named_only_in_a_report_about_memory()
     assert explain.recognised(explain.from_text(alone)).summary.startswith("a run ended by SIGKILL")
     assert [f.value.split(":")[0] for f in _facts("DataLoader worker (pid 47) is killed by signal: Bus error.")
             .of("signal")] == ["SIGBUS"]
+
+
+def test_resuming_on_another_number_of_gpus_told_in_words_is_the_resume_shape_entry():
+    # https://github.com/deepspeedai/DeepSpeed/issues/7628 (verbatim, Markdown kept)
+    told = ("I'm using 🤗 Accelerate with DeepSpeed (ZeRO Stage 2) and I'm implementing a custom checkpointing "
+            "mechanism for my optimizer state. My primary goal is to reliably resume training even if the number of "
+            "GPUs (`world_size`) changes between runs.")
+    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["resume-on-another-shape"]
+    assert _ids(told) == ["resume-shape-unsupported"]
+    # without a DeepSpeed run in the report, the question is not this entry's
+    assert _ids(told.replace("with DeepSpeed (ZeRO Stage 2) ", "")) == []

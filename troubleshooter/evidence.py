@@ -32,7 +32,8 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   (Bus error``, or the reporter's words (``I return -9 directly``, ``exited -9``, ``bus error``, ``got
   killed``, ``被kill``);
 * ``told``: a problem stated in words, in English or Chinese, with no library line for it:
-  ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``);
+  ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``),
+  ``resume-on-another-shape`` ("resume training even if the number of GPUs changes", ``换卡数后续训``);
 * ``cut``: the innermost frame of a traceback the paste cut before its error line
   (``deepspeed/runtime/config.py::_configure_train_batch_size``): the function that was raising;
 * ``code``: the source line Python printed under the innermost frame of the last traceback (what
@@ -178,6 +179,20 @@ _HOST_MEMORY_TOLD = re.compile(
     r"\b(?:out of memory|OOM|runs? out|ran out|running out|exhausted|(?:is|was|gets?|got|becomes?|became) full)"
     r"|\bRAM\b[^\n.]{0,30}?\b(?:runs? out|ran out|running out|exhausted|(?:is|was|gets?|got) full)"
     r"|(?<!显)内存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆)|(?:撑爆|耗尽|占满|爆)了?内存", re.I)
+#: Resuming (loading a checkpoint) on another number of GPUs, told in words: "load this checkpoint with a
+#: different GPU count", "resume training even if the number of GPUs (world_size) changes", "换卡数后续训".
+_RESUME_OTHER_SHAPE_TOLD = re.compile(
+    r"(?:resum|restor|reload|continu|load)\w*\b[^.\n。]{0,100}?(?:\b(?:different|fewer|more|another|changed?"
+    r"|changes|changing|smaller|larger|new)\s+(?:number\s+of\s+)?(?:GPUs?|gpu count|world[ _]size|nodes|ranks"
+    r"|machines|cards|devices)\b|\bnumber of (?:GPUs|nodes|ranks|devices)\b[^.\n]{0,40}?\b(?:chang|differ|decreas"
+    r"|increas|reduc))"
+    r"|\b(?:world[ _]size|number of (?:GPUs|nodes|ranks|devices)|GPU count)\b[^.\n]{0,60}?\b(?:chang\w*|differs?"
+    r"|different|decreas\w*|increas\w*|reduc\w*)\b[^.\n]{0,80}?\b(?:resum|restor|reload|load\w* (?:the |a |my )?"
+    r"checkpoint)"
+    r"|(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数|卡)[^。\n]{0,20}(?:续训|恢复|resume|加载)"
+    r"|(?:续训|恢复训练|resume)[^。\n]{0,20}(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数)", re.I)
+#: What ``told`` facts say, and how each is told.
+_TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD))
 #: A frame's source line, as Python prints it under the frame (not the ``~~~^^^`` markers below it).
 _CODE_MARKERS = re.compile(r"^[\s~^]*$")
 #: A throughput series must have this many points, and end below this share of its early best.
@@ -398,12 +413,14 @@ def _host_memory(norm: Normalized) -> list[Fact]:
 def _told(norm: Normalized) -> list[Fact]:
     """Problems stated in words (a report with no library line for them)."""
     base = max(0, len(norm.text) - TAIL_CHARS)
-    last = None
-    for last in _HOST_MEMORY_TOLD.finditer(norm.text, base):
-        pass
-    if last is None:
-        return []
-    return [Fact("told", f"host-memory-exhausted: {last.group()}", norm.line_of_offset(last.start()), last.start())]
+    out = []
+    for name, pattern in _TOLD:
+        last = None
+        for last in pattern.finditer(norm.text, base):
+            pass
+        if last is not None:
+            out.append(Fact("told", f"{name}: {last.group()[:160]}", norm.line_of_offset(last.start()), last.start()))
+    return out
 
 
 def _cut_and_code(norm: Normalized, frames: list[Fact], errors: list[Fact]) -> list[Fact]:
