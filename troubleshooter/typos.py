@@ -14,7 +14,8 @@ MIN_LENGTH letters long. Used by :func:`troubleshooter.normalize.normalize`.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from functools import lru_cache
+from typing import Callable, Iterable
 
 __all__ = ["MIN_LENGTH", "repair_typos", "word_vocabulary"]
 
@@ -63,15 +64,19 @@ class _Index:
         return known.upper() if word.isupper() else known
 
 
-def repair_typos(lines: list[_Line], vocabulary: frozenset[str], is_error_line) -> list[_Line]:
+@lru_cache(maxsize=4)
+def _index(vocabulary: frozenset[str]) -> _Index:
+    return _Index(vocabulary)
+
+
+def repair_typos(lines: list[_Line], vocabulary: frozenset[str], is_error_line: Callable[[str], bool]) -> list[_Line]:
     """Each error line (``is_error_line``) gets its misspelt known words back."""
     if not vocabulary:
         return lines
-    index = None
     out = []
     for no, line in lines:
         if is_error_line(line):
-            index = index or _Index(vocabulary)
+            index = _index(vocabulary)
             line = _WORD.sub(lambda m: index.meant(m.group()) or m.group(), line)
         out.append((no, line))
     return out
