@@ -880,3 +880,32 @@ def test_resuming_on_another_number_of_gpus_told_in_words_is_the_resume_shape_en
     assert _ids(told) == ["resume-shape-unsupported"]
     # without a DeepSpeed run in the report, the question is not this entry's
     assert _ids(told.replace("with DeepSpeed (ZeRO Stage 2) ", "")) == []
+
+
+@pytest.mark.parametrize("told, entry", [
+    # the forms the corpus's threads use for these problems besides the libraries' own lines (显存 is GPU
+    # memory); written here, since no text of the corpus tells them this way: each is checked against a
+    # sentence that names the same thing without it having happened
+    ("训练时显存不足，怎么办", "cuda-oom"),
+    ("用deepspeed zero3 训练爆显存了", "cuda-oom"),
+    ("I get CUDA OOM when training with deepspeed zero3", "cuda-oom"),
+    ("training hangs and then NCCL timeout after 30 minutes with deepspeed", "nccl-watchdog-timeout"),
+    ("训练一段时间后NCCL超时", "nccl-watchdog-timeout"),
+    ("保存checkpoint时磁盘空间不足", "checkpoint-disk-full"),
+    ("the disk was full when saving the checkpoint", "checkpoint-disk-full"),
+])
+def test_a_problem_told_in_words_names_its_entry_when_no_error_line_was_pasted(told, entry):
+    assert _ids(told) == [entry]
+    # a pasted error line is read instead of the words around it
+    assert _ids(told + "\nValueError: something else entirely") == []
+
+
+@pytest.mark.parametrize("text", [
+    "to avoid CUDA OOM I use offload", "I set the NCCL timeout to 2 hours and training works",
+    "increase the nccl timeout", "disk is full of logs, nothing else",
+    # NCCL's own shared-memory file system filling up is no checkpoint disk (holdout4's 228 tells it so)
+    "NCCL WARN Error: failed to extend /dev/shm/nccl-abc to 9637892 bytes: No space left on device while saving",
+])
+def test_words_that_name_a_problem_without_it_happening_name_nothing(text):
+    assert "cuda-oom" not in _ids(text) and "nccl-watchdog-timeout" not in _ids(text)
+    assert "checkpoint-disk-full" not in _ids(text)

@@ -33,7 +33,9 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   killed``, ``被kill``);
 * ``told``: a problem stated in words, in English or Chinese, with no library line for it:
   ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``),
-  ``resume-on-another-shape`` ("resume training even if the number of GPUs changes", ``换卡数后续训``);
+  ``resume-on-another-shape`` ("resume training even if the number of GPUs changes", ``换卡数后续训``),
+  ``gpu-memory-exhausted`` (``显存不足``, "CUDA OOM"), ``nccl-timeout`` ("NCCL timeout", ``NCCL超时``),
+  ``disk-full`` ("the disk is full", ``磁盘空间不足``);
 * ``cut``: the innermost frame of a traceback the paste cut before its error line
   (``deepspeed/runtime/config.py::_configure_train_batch_size``): the function that was raising;
 * ``code``: the source line Python printed under the innermost frame of the last traceback (what
@@ -191,8 +193,29 @@ _RESUME_OTHER_SHAPE_TOLD = re.compile(
     r"checkpoint)"
     r"|(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数|卡)[^。\n]{0,20}(?:续训|恢复|resume|加载)"
     r"|(?:续训|恢复训练|resume)[^。\n]{0,20}(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数)", re.I)
+#: GPU memory said to have run out: "显存不足", "爆显存", "CUDA OOM", "not enough GPU memory".
+_GPU_MEMORY_TOLD = re.compile(
+    r"显存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆|OOM)|(?:爆|撑爆|耗尽|占满)了?显存|\b(?:CUDA|GPU|VRAM)[ -]?OOM\b"
+    r"|\bOOM (?:on|in) (?:the |my )?GPUs?\b|\b(?:GPU|VRAM|video) ?memory\b[^.\n]{0,40}?\b(?:ran out|runs? out|running out"
+    r"|exhausted|not enough|insufficient|is full|was full)|\b(?:not|no) enough (?:GPU|VRAM|video) ?memory"
+    r"|\bout of (?:GPU|VRAM|video) ?memory", re.I)
+#: An NCCL collective said to have timed out, as an event (not a setting: "I set the NCCL timeout to 2 h"):
+#: "NCCL operations have failed or timed out", "hit an NCCL timeout", "NCCL timeout after 30 minutes", "NCCL超时".
+_NCCL_TIMEOUT_TOLD = re.compile(
+    r"\bNCCL\b[^.\n]{0,30}?\btimed out\b|\btimed out\b[^.\n]{0,20}\bNCCL\b"
+    r"|(?:got|get|gets|getting|hit|hits|hitting|encounter\w*|run into|ran into|fails? with|failed with|then|and)"
+    r"\W{1,3}(?:a |an |the )?NCCL[ _-]?time ?out\b(?![ _-]?(?:to|=|:|is|was|of|setting|value)\b)"
+    r"|\bNCCL[ _-]?time ?out (?:error|exception|happen\w*|occur\w*|after)\b|NCCL\s*超时|超时[^。\n]{0,10}NCCL", re.I)
+#: A disk said to be full: "the disk is full", "ran out of disk space", "磁盘空间不足".
+_DISK_FULL_TOLD = re.compile(
+    r"磁盘(?:空间)?(?:不足|满了|已满|不够|占满)|硬盘(?:空间)?(?:不足|满了|已满|不够)"
+    r"|\b(?:disk|storage|filesystem|file system|partition)\b[^.\n]{0,30}?\b(?:is |was |got |gets |became |becomes )"
+    r"(?:full|out of space)\b|\bno (?:more )?(?:disk )?space left\b|\b(?:run|runs|running|ran) out of (?:disk|storage) ?space\b"
+    r"|\bdisk quota\b|\bout of disk space\b", re.I)
 #: What ``told`` facts say, and how each is told.
-_TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD))
+_TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD),
+         ("gpu-memory-exhausted", _GPU_MEMORY_TOLD), ("nccl-timeout", _NCCL_TIMEOUT_TOLD),
+         ("disk-full", _DISK_FULL_TOLD))
 #: A frame's source line, as Python prints it under the frame (not the ``~~~^^^`` markers below it).
 _CODE_MARKERS = re.compile(r"^[\s~^]*$")
 #: A throughput series must have this many points, and end below this share of its early best.
