@@ -791,7 +791,7 @@ def test_host_memory_named_on_deepspeeds_reading_a_signal_or_the_reporters_words
                 "usage increases a lot and makes host out of memory.") == ["cpu-oom"]
     assert _ids("it threw an error saying there is no enough CPU memoryy for deepspeed initialization.") == ["cpu-oom"]
     # GPU memory in words is not host memory (显存 is GPU memory, 内存 host memory)
-    assert _ids("训练时显存不足") == []
+    assert _ids("训练时显存不足") == ["cuda-oom"]
     assert [f.value for f in _facts("训练时内存不足，进程被杀").of("told")] == ["host-memory-exhausted: 内存不足"]
 
 
