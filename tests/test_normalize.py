@@ -28,6 +28,7 @@ from troubleshooter.normalize import (
     strip_rank_prefixes,
     unwrap_hard_wrapped,
 )
+from troubleshooter.typos import word_vocabulary
 
 TRACEBACKS = Path(__file__).parent / "fixtures" / "tracebacks"
 
@@ -379,3 +380,27 @@ def test_frames_of_a_traceback_rich_drew_in_a_box_get_pythons_own_form():
     assert python_frames_from_rich_boxes(narrow) == [
         (1, "Traceback (most recent call last):"),
         (2, '  File "/opt/x/deepspeed/runtime/config.py", line 891, in _batch_assertion')]
+
+
+def test_an_exception_run_into_chinese_prose_without_a_space_gets_a_line_of_its_own():
+    # https://github.com/hiyouga/LlamaFactory/issues/3852 (verbatim; holdout4 of the issue-36 corpus)
+    line = "最新的版本llama-factory，使用KTO进行多机训练过程中再进行验证，报错RuntimeError: still have inglight params"
+    lifted = [text for _, text in lift_errors_from_prose([(1, line)])]
+    assert lifted == [line, "RuntimeError: still have inglight params"]
+    # the tail of a longer word is still no exception of its own
+    assert lift_errors_from_prose([(1, "see fooRuntimeError: x")]) == [(1, "see fooRuntimeError: x")]
+
+
+def test_a_misspelt_word_of_a_retyped_error_line_gets_the_known_word_back():
+    # the same report: "inflight" retyped as "inglight", "AVAILABLE" as "AVALIBLE"
+    words = word_vocabulary(["still have inflight params", "ds_status == ZeroParamStatus\\.AVAILABLE",
+                             "reduced to", "Killing subprocess"])
+    text = '报错RuntimeError: still have inglight params [{id：388, "status":"AVALIBLE"}]'
+    norm = normalize(text, words=words)
+    assert "RuntimeError: still have inflight params" in norm.text and "typos" in norm.steps
+    # AVALIBLE is two slips from AVAILABLE (one letter missing, one typed for another): left as it is
+    assert "AVALIBLE" in norm.text
+    # a word one slip from a known one only at its last letter is another word; prose is not touched
+    assert normalize("ValueError: the value reduces to zero", words=words).text.endswith("reduces to zero")
+    assert normalize("the inglight params", words=words).text == "the inglight params"
+    assert [d.entry_id for d in explain.explain_text(text)] == ["zero3-inflight-params"]

@@ -25,7 +25,26 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   different numbers of batches: ``Rank = 2, Number of batches 8`` beside ``Rank = 0, ... 4``);
 * ``trend``: patterns over time: ``loss-scale-collapse`` (:mod:`troubleshooter.loss_scale`),
   ``expert-collapse`` (:mod:`troubleshooter.expert_load`), ``throughput-decay``,
-  ``stopped-same-line`` (every rank's output ends on the same line, with no error).
+  ``stopped-same-line`` (every rank's output ends on the same line, with no error);
+* ``signal``: a process ended by a signal, ``SIGKILL (exit -9): <as printed>``, however it is told:
+  torch elastic's ``exitcode  : -9`` and ``Signal 7 (SIGBUS) received by PID``, DeepSpeed's launcher
+  ``exits with return code = -9``, a shell's 128+N status (``exit code 137``), UCX's ``Caught signal 7
+  (Bus error``, or the reporter's words (``I return -9 directly``, ``exited -9``, ``bus error``, ``got
+  killed``, ``被kill``);
+* ``told``: a problem stated in words, in English or Chinese, with no library line for it:
+  ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``),
+  ``resume-on-another-shape`` ("resume training even if the number of GPUs changes", ``换卡数后续训``),
+  ``gpu-memory-exhausted`` (``显存不足``, "CUDA OOM"), ``nccl-timeout`` ("NCCL timeout", ``NCCL超时``),
+  ``disk-full`` ("the disk is full", ``磁盘空间不足``);
+* ``cut``: the innermost frame of a traceback the paste cut before its error line
+  (``deepspeed/runtime/config.py::_configure_train_batch_size``): the function that was raising;
+* ``code``: the source line Python printed under the innermost frame of the last traceback (what
+  raised: ``param.shape[1]``).
+
+``number`` also holds host-memory readings: DeepSpeed's ``see_memory_usage`` prints ``CPU Virtual
+Memory:  used = 29.71 GB, percent = 95.3%`` (``runtime/utils.py``); at HOST_MEMORY_HIGH percent or
+more it is ``host-memory-high``, and ``host-memory-high-at-end`` when the report ends within
+END_LINES lines of that reading (the run was killed at its peak).
 
 :func:`collect` reads them from a :class:`~troubleshooter.normalize.Normalized` report (the
 trends from the input as it is: their readers strip prefixes themselves); :func:`summary` says
@@ -130,6 +149,75 @@ HEAD_CHARS = 16 * 1024
 TAIL_CHARS = 128 * 1024
 #: The stack (what ran) is looked for in HEAD_CHARS and this many characters at the end.
 STACK_TAIL_CHARS = 64 * 1024
+#: Exit statuses that mean a signal: -N from Python's subprocess and torch elastic, 128+N from a shell.
+SIGNALS = {9: "SIGKILL", 7: "SIGBUS", 11: "SIGSEGV", 6: "SIGABRT", 15: "SIGTERM"}
+#: How a process's end by a signal is printed or told (see the module docstring for the sources).
+_EXIT_SIGNAL = re.compile(
+    r"\b(?:exit ?code|exitcode|return ?code|returncode|exit status)\s*[:=]?\s*(?P<neg>-\d{1,2})\b"
+    r"|\b(?:return(?:s|ed)?|exit(?:s|ed)?|die[sd]?|crash(?:es|ed)?|terminated)"
+    r"(?: (?:with|directly|immediately|by))?(?: (?:exit|return|error))?(?: code| status)?"
+    r"\s*[:=]?\s*(?P<neg2>-\d{1,2})\b"
+    r"|\b(?:exit|return)(?:ed)? ?(?:with )?(?:code|status)\s*[:=]?\s*(?P<shell>13[4-9]|14[0-3])\b"
+    r"|\bSignal (?P<num>\d{1,2}) \(SIG[A-Z]+\)|\bCaught signal (?P<num2>\d{1,2}) \("
+    r"|\b(?:killed|terminated|died) (?:with|by) signal:? (?P<num3>\d{1,2})\b"
+    r"|\b(?:killed|terminated|died) (?:with|by) signal:? (?P<name>SIG[A-Z]+)\b"
+    r"|(?P<bus>\bbus error\b)|(?P<segv>\bsegmentation fault\b)"
+    r"|\b(?:got|gets?|was|were|been|is|are|being)\s+(?P<killed>killed)\b(?!\s+(?:by|with)\s+signal)"
+    r"|(?P<killed_zh>被\s*kill(?:ed)?|被杀)", re.I)
+#: DeepSpeed's see_memory_usage (runtime/utils.py): ``CPU Virtual Memory:  used = 29.71 GB, percent = 95.3%``.
+_HOST_MEMORY = re.compile(r"CPU Virtual Memory:\s+used = (?P<used>[\d.]+) ?GB, percent = (?P<pct>[\d.]+)%")
+#: A host-memory reading this high (percent) is the host near its end.
+HOST_MEMORY_HIGH = 90.0
+#: A report that ends within this many non-blank lines of a reading ends at it.
+END_LINES = 12
+#: Host (CPU) memory said to have run out, in words: "no enough CPU memory", "makes host out of memory",
+#: "CPU RAM is exhausted", "内存不足" (内存 is host memory; GPU memory is 显存).
+_HOST_MEMORY_TOLD = re.compile(
+    r"\b(?:not|no|insufficient)\s+(?:enough\s+)?(?:cpu|host|system|main)[ -]?(?:memory|mem|ram)"
+    r"|\b(?:not|no)\s+enough\s+RAM\b"
+    r"|\bout of (?:cpu|host|system|main)[ -]?(?:memory|mem|ram)\b"
+    r"|\bhost (?:runs? |ran |running |goes |went )?out of memory\b"
+    r"|\b(?:cpu|host|system|main)[ -]?(?:memory|mem|ram)\b[^\n.]{0,40}?"
+    r"\b(?:out of memory|OOM|runs? out|ran out|running out|exhausted|(?:is|was|gets?|got|becomes?|became) full)"
+    r"|\bRAM\b[^\n.]{0,30}?\b(?:runs? out|ran out|running out|exhausted|(?:is|was|gets?|got) full)"
+    r"|(?<!显)内存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆)|(?:撑爆|耗尽|占满|爆)了?内存", re.I)
+#: Resuming (loading a checkpoint) on another number of GPUs, told in words: "load this checkpoint with a
+#: different GPU count", "resume training even if the number of GPUs (world_size) changes", "换卡数后续训".
+_RESUME_OTHER_SHAPE_TOLD = re.compile(
+    r"(?:resum|restor|reload|continu|load)\w*\b[^.\n。]{0,100}?(?:\b(?:different|fewer|more|another|changed?"
+    r"|changes|changing|smaller|larger|new)\s+(?:number\s+of\s+)?(?:GPUs?|gpu count|world[ _]size|nodes|ranks"
+    r"|machines|cards|devices)\b|\bnumber of (?:GPUs|nodes|ranks|devices)\b[^.\n]{0,40}?\b(?:chang|differ|decreas"
+    r"|increas|reduc))"
+    r"|\b(?:world[ _]size|number of (?:GPUs|nodes|ranks|devices)|GPU count)\b[^.\n]{0,60}?\b(?:chang\w*|differs?"
+    r"|different|decreas\w*|increas\w*|reduc\w*)\b[^.\n]{0,80}?\b(?:resum|restor|reload|load\w* (?:the |a |my )?"
+    r"checkpoint)"
+    r"|(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数|卡)[^。\n]{0,20}(?:续训|恢复|resume|加载)"
+    r"|(?:续训|恢复训练|resume)[^。\n]{0,20}(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数)", re.I)
+#: GPU memory said to have run out: "显存不足", "爆显存", "CUDA OOM", "not enough GPU memory".
+_GPU_MEMORY_TOLD = re.compile(
+    r"显存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆|OOM)|(?:爆|撑爆|耗尽|占满)了?显存|\b(?:CUDA|GPU|VRAM)[ -]?OOM\b"
+    r"|\bOOM (?:on|in) (?:the |my )?GPUs?\b|\b(?:GPU|VRAM|video) ?memory\b[^.\n]{0,40}?\b(?:ran out|runs? out|running out"
+    r"|exhausted|not enough|insufficient|is full|was full)|\b(?:not|no) enough (?:GPU|VRAM|video) ?memory"
+    r"|\bout of (?:GPU|VRAM|video) ?memory", re.I)
+#: An NCCL collective said to have timed out, as an event (not a setting: "I set the NCCL timeout to 2 h"):
+#: "NCCL operations have failed or timed out", "hit an NCCL timeout", "NCCL timeout after 30 minutes", "NCCL超时".
+_NCCL_TIMEOUT_TOLD = re.compile(
+    r"\bNCCL\b[^.\n]{0,30}?\btimed out\b|\btimed out\b[^.\n]{0,20}\bNCCL\b"
+    r"|(?:got|get|gets|getting|hit|hits|hitting|encounter\w*|run into|ran into|fails? with|failed with|then|and)"
+    r"\W{1,3}(?:a |an |the )?NCCL[ _-]?time ?out\b(?![ _-]?(?:to|=|:|is|was|of|setting|value)\b)"
+    r"|\bNCCL[ _-]?time ?out (?:error|exception|happen\w*|occur\w*|after)\b|NCCL\s*超时|超时[^。\n]{0,10}NCCL", re.I)
+#: A disk said to be full: "the disk is full", "ran out of disk space", "磁盘空间不足".
+_DISK_FULL_TOLD = re.compile(
+    r"磁盘(?:空间)?(?:不足|满了|已满|不够|占满)|硬盘(?:空间)?(?:不足|满了|已满|不够)"
+    r"|\b(?:disk|storage|filesystem|file system|partition)\b[^.\n]{0,30}?\b(?:is |was |got |gets |became |becomes )"
+    r"(?:full|out of space)\b|\bno (?:more )?(?:disk )?space left\b|\b(?:run|runs|running|ran) out of (?:disk|storage) ?space\b"
+    r"|\bdisk quota\b|\bout of disk space\b", re.I)
+#: What ``told`` facts say, and how each is told.
+_TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD),
+         ("gpu-memory-exhausted", _GPU_MEMORY_TOLD), ("nccl-timeout", _NCCL_TIMEOUT_TOLD),
+         ("disk-full", _DISK_FULL_TOLD))
+#: A frame's source line, as Python prints it under the frame (not the ``~~~^^^`` markers below it).
+_CODE_MARKERS = re.compile(r"^[\s~^]*$")
 #: A throughput series must have this many points, and end below this share of its early best.
 TREND_POINTS = 6
 DECAY_SHARE = 0.5
@@ -293,6 +381,90 @@ def _numbers(norm: Normalized, errors: list[Fact]) -> list[Fact]:
     return out
 
 
+def _signal_of(m: re.Match[str]) -> str | None:
+    """The signal's name an exit status or a signal line means (None: not a signal)."""
+    if m.group("bus"):
+        return "SIGBUS"
+    if m.group("segv"):
+        return "SIGSEGV"
+    if m.group("killed") or m.group("killed_zh"):  # "the process got killed": told, with no number
+        return "SIGKILL"
+    if m.group("name"):
+        return m.group("name").upper()
+    raw = m.group("neg") or m.group("neg2")
+    if raw is not None:
+        return SIGNALS.get(-int(raw))
+    if m.group("shell"):
+        return SIGNALS.get(int(m.group("shell")) - 128)
+    number = m.group("num") or m.group("num2") or m.group("num3")
+    return SIGNALS.get(int(number)) if number else None
+
+
+def _signals(norm: Normalized) -> list[Fact]:
+    """Every process end by a signal the report shows or tells (one fact per signal, its last)."""
+    base = max(0, len(norm.text) - TAIL_CHARS)
+    found: dict[str, Fact] = {}
+    for m in _EXIT_SIGNAL.finditer(norm.text, base):
+        name = _signal_of(m)
+        if name is None:
+            continue
+        code = next((f"exit {v}" for v in (m.group("neg"), m.group("neg2"), m.group("shell")) if v), "")
+        value = f"{name}{f' ({code})' if code else ''}: {m.group().strip()}"
+        found.pop(name, None)
+        found[name] = Fact("signal", value, norm.line_of_offset(m.start()), m.start())
+    return list(found.values())
+
+
+def _host_memory(norm: Normalized) -> list[Fact]:
+    """DeepSpeed's host-memory readings: the highest, and whether it is high, and at the end."""
+    base = max(0, len(norm.text) - TAIL_CHARS)
+    readings = [m for m in _HOST_MEMORY.finditer(norm.text, base)] if "CPU Virtual Memory" in norm.text else []
+    if not readings:
+        return []
+    top = max(readings, key=lambda m: float(m.group("pct")))
+    pct = float(top.group("pct"))
+    words = f"CPU virtual memory at {pct:g}% ({top.group('used')} GB used)"
+    line_no = norm.line_of_offset(top.start())
+    out = [Fact("number", f"host-memory: {words}", line_no, top.start())]
+    if pct >= HOST_MEMORY_HIGH:
+        after = sum(1 for line in norm.text[top.end():].split("\n") if line.strip())
+        kind = "host-memory-high-at-end" if after <= END_LINES else "host-memory-high"
+        out.append(Fact("number", f"{kind}: {words}", line_no, top.start()))
+    return out
+
+
+def _told(norm: Normalized) -> list[Fact]:
+    """Problems stated in words (a report with no library line for them)."""
+    base = max(0, len(norm.text) - TAIL_CHARS)
+    out = []
+    for name, pattern in _TOLD:
+        last = None
+        for last in pattern.finditer(norm.text, base):
+            pass
+        if last is not None:
+            out.append(Fact("told", f"{name}: {last.group()[:160]}", norm.line_of_offset(last.start()), last.start()))
+    return out
+
+
+def _cut_and_code(norm: Normalized, frames: list[Fact], errors: list[Fact]) -> list[Fact]:
+    """``cut``: the innermost frame when the paste stops after it, before any error line; ``code``:
+    the source line under the innermost frame before the last error line."""
+    out = []
+    last_error = max((e.offset for e in errors), default=-1)
+    if frames and frames[-1].offset > last_error:
+        out.append(Fact("cut", frames[-1].value, frames[-1].line_no, frames[-1].offset))
+    before = [f for f in frames if f.offset < last_error]
+    if before:
+        frame = before[-1]
+        end = norm.text.find("\n", frame.offset)
+        for line in norm.text[end + 1:last_error].split("\n")[:4] if end != -1 else ():
+            if line.strip() and not _CODE_MARKERS.match(line):
+                if not _FRAME.match(line):
+                    out.append(Fact("code", line.strip()[:200], frame.line_no + 1, frame.offset))
+                break
+    return out
+
+
 def _uneven_batches(text: str) -> tuple[str, int] | None:
     """Per-rank batch (step, sample) counts that differ (``Rank = 2, Number of batches 8`` beside
     ``Rank = 0, Number of batches 4``; ``rank 1: 13 batches``): the ranks ran different numbers of
@@ -379,7 +551,8 @@ def collect(norm: Normalized) -> Evidence:
     errors = _errors(norm)
     frames = _frames(norm)
     facts = [*errors, *frames, *_library_lines(norm), *_config(norm), *_stack_and_phase(norm, frames, errors),
-             *_numbers(norm, errors), *_trends(norm)]
+             *_numbers(norm, errors), *_host_memory(norm), *_trends(norm), *_signals(norm), *_told(norm),
+             *_cut_and_code(norm, frames, errors)]
     return Evidence(tuple(facts))
 
 
@@ -424,6 +597,10 @@ def summary(ev: Evidence) -> str:
         return f"{run} failed{where} with {kind}{about} (line {last.line_no})"
     if trends:
         return f"{run} shows {trends[-1].value.split(':', 1)[0]}, without an error line"
+    signals = ev.of("signal")
+    if signals:
+        last = signals[-1]
+        return f"{run} ended by {last.value.split(':', 1)[0]}, without an error line (line {last.line_no})"
     return f"{run}; no error line was found"
 
 
@@ -434,6 +611,7 @@ def helpful(ev: Evidence, limit: int = 8) -> tuple[Fact, ...]:
     picked += list(ev.of("error"))[-2:]
     picked += list(ev.of("frame"))[-2:]
     picked += list(ev.of("trend"))
+    picked += list(ev.of("signal"))[-1:] + list(ev.of("told")) + list(ev.of("cut"))
     picked += list(ev.of("number"))
     picked += [f for f in ev.of("library") if re.search(r"\b(?:WARN(?:ING)?|ERROR|W|E)\b", f.value)][-2:]
     picked += list(ev.of("config"))[:3]

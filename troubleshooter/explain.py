@@ -51,6 +51,7 @@ from troubleshooter.log_input import (
 )
 from troubleshooter.normalize import Normalized, identifier_vocabulary, normalize
 from troubleshooter.oom_numbers import format_bytes, parse_oom
+from troubleshooter.typos import word_vocabulary
 
 __all__ = ["MAX_BYTES", "Diagnosis", "ExplainInputError", "Input", "Recognised", "clean", "explain_input",
            "explain_text", "read_input", "read_source", "recognised"]
@@ -287,6 +288,13 @@ def _vocabulary() -> frozenset[str]:
                                            *_terms(e)))
 
 
+@lru_cache(maxsize=1)
+def _words() -> frozenset[str]:
+    """The long words the knowledge base's patterns and symptoms quote (the libraries' messages),
+    whose misspellings in a retyped error line are repaired."""
+    return word_vocabulary(s for e in knowledge.load_entries() for s in (*e.patterns, *e.contextual, *e.symptoms))
+
+
 def _terms(entry: knowledge.Entry) -> tuple[str, ...]:
     """Every evidence term of an entry, without its ``kind:``."""
     rules = entry.evidence
@@ -295,7 +303,7 @@ def _terms(entry: knowledge.Entry) -> tuple[str, ...]:
 
 
 def _read(data: Input) -> tuple[Normalized, evidence.Evidence]:
-    norm = normalize(data.text, _vocabulary())
+    norm = normalize(data.text, _vocabulary(), words=_words())
     return norm, evidence.collect(norm)
 
 

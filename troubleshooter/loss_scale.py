@@ -31,7 +31,9 @@ _NUMBER = r"(\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
 _ATTEMPTED = re.compile(r"Attempted loss scale:? " + _NUMBER, re.IGNORECASE)
 _REDUCED = re.compile(r"(?:reducing (?:loss scale )?to|setting (?:the )?(?:loss )?scale to:?)\s*" + _NUMBER,
                       re.IGNORECASE)
-_AT_MINIMUM = re.compile(r"Current loss scale already at minimum|Minimum loss scale reached", re.IGNORECASE)
+#: DeepSpeed's "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+#: (runtime/fp16/loss_scaler.py), also quoted without its first word in a sentence about it.
+_AT_MINIMUM = re.compile(r"loss scale already at minimum|Minimum loss scale reached", re.IGNORECASE)
 _COUNTER = re.compile(r"\bstep[=:]\s*(\d+),\s*skipped[=:]\s*(\d+)", re.IGNORECASE)
 _MIN_SCALE = re.compile(r"""['"]?min(?:_loss)?_scale['"]?\s*[:=]\s*""" + _NUMBER, re.IGNORECASE)
 _INIT_SCALE = re.compile(r"""['"]?(?:init(?:ial)?_scale|initial_dynamic_scale)['"]?\s*(?:[:=]|\.{2,})?\s*"""

@@ -33,6 +33,8 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
 5. identifiers: a known identifier with spaces for underscores (``ds numel``,
    ``partition parameters.py``) gets its underscores back; a path split at a space is rejoined
    (:mod:`troubleshooter.identifiers`);
+5b. typos: a misspelt word of an error line, one slip from exactly one known word, gets it back
+   (``still have inglight params``; :mod:`troubleshooter.typos`);
 6. wrapped messages: the continuation lines of an error line are appended to it;
 7. two or three spaces inside a line (after its indentation) become one: a path or word a paste
    (or a redaction) left two spaces before is still matched by a pattern written with one (wider
@@ -53,6 +55,7 @@ from functools import cached_property
 from typing import Iterable
 
 from troubleshooter.identifiers import REPAIR_CHARS, identifier_vocabulary, line_starts, repair_identifiers
+from troubleshooter.typos import repair_typos
 
 __all__ = ["ERROR_LINE", "WINDOW_CHARS", "Normalized", "identifier_vocabulary", "normalize"]
 
@@ -85,7 +88,9 @@ _EXC_NAME = (r"(?:[A-Za-z_][\w]*\.)*(?:[A-Z]\w*(?:Error|Exception|Failure|Interr
              r"|AssertionError|KeyboardInterrupt|StopIteration)")
 #: A line that is an error line: the exception (after any prefix left) and its message.
 ERROR_LINE = re.compile(r"^\W{0,4}(?P<type>" + _EXC_NAME + r")(?::[ \t]*(?P<message>[^\n]*))?$")
-_IN_PROSE = re.compile(r"(?<![\w.])(?P<type>" + _EXC_NAME + r")(?P<rest>(?::|(?= *$))[^\n]*)")
+#: An exception named inside prose. Not after a letter, digit or dot of a longer name; Chinese or
+#: Japanese text runs into it without a space (``报错RuntimeError: ...``), and counts as no letter here.
+_IN_PROSE = re.compile(r"(?<![A-Za-z0-9_.])(?P<type>" + _EXC_NAME + r")(?P<rest>(?::|(?= *$))[^\n]*)")
 _BACKTICKED = re.compile(r"`{1,3}([^`\n]+)`{1,3}")
 #: ``**bold**`` (``__bold__`` is left alone: it is also Python's ``__init__``).
 _EMPHASIS = re.compile(r"(\*\*)(?=\S)([^\n]+?)(?<=\S)\1")
@@ -536,14 +541,20 @@ _STEPS = (
     ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("progress", split_progress_bars),
     ("notebook-frames", python_frames_from_notebooks), ("rich-frames", python_frames_from_rich_boxes),
     ("prose", lift_errors_from_prose),
-    ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("wrapped", rejoin_wrapped),
+    ("inline-markdown", undo_inline_markdown), ("identifiers", None), ("typos", None), ("wrapped", rejoin_wrapped),
     ("spaces", squeeze_spaces), ("repeats", drop_repeats),
 )
 
 
-def normalize(text: str, vocabulary: Iterable[str] = (), window: int | None = WINDOW_CHARS) -> Normalized:
+def _is_error_line(line: str) -> bool:
+    return ("Error" in line or "Exception" in line) and ERROR_LINE.match(line.strip()) is not None
+
+
+def normalize(text: str, vocabulary: Iterable[str] = (), window: int | None = WINDOW_CHARS,
+              words: frozenset[str] = frozenset()) -> Normalized:
     """The normalised form of ``text`` (see the module docstring); ``vocabulary`` holds the
-    identifiers with underscores to repair (``explain`` passes the knowledge base's). Only the
+    identifiers with underscores to repair (``explain`` passes the knowledge base's), ``words`` the
+    words whose misspellings in error lines are repaired (:mod:`troubleshooter.typos`). Only the
     lines of the last ``window`` characters are normalised (None: all); the lines before them are
     kept as they are, so offsets and line numbers still cover the whole text."""
     lines: list[_Line] = list(enumerate(text.split("\n"), 1))
@@ -554,7 +565,12 @@ def normalize(text: str, vocabulary: Iterable[str] = (), window: int | None = WI
     vocab = tuple(vocabulary)
     steps = []
     for name, step in _STEPS:
-        after = repair_identifiers(lines, vocab) if step is None else step(lines)
+        if step is not None:
+            after = step(lines)
+        elif name == "typos":
+            after = repair_typos(lines, words, _is_error_line)
+        else:
+            after = repair_identifiers(lines, vocab)
         if after != lines and name not in steps:
             steps.append(name)
         lines = after

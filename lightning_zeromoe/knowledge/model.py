@@ -24,7 +24,7 @@ PATCH_KINDS = frozenset({"json", "diff"})
 #: The kinds of fact an evidence term (``kind:regex``) can name; the troubleshooter's evidence
 #: module (troubleshooter/evidence.py) produces them from a report.
 EVIDENCE_KINDS = frozenset({"error", "type", "frame", "library", "config", "stack", "phase", "number", "trend",
-                            "text"})
+                            "signal", "told", "cut", "code", "text"})
 #: How near a context pattern must match to a contextual pattern's hit, unless the entry says.
 CONTEXT_CHARS = 50_000
 
