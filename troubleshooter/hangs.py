@@ -41,9 +41,14 @@ SAVE_FRAMES = ("save_checkpoint", "_save_checkpoint", "save_16bit_model", "_zero
 EVAL_FRAMES = ("validation_step", "test_step", "predict_step", "_evaluation_step", "_predict_step",
                "_run_evaluate", "_run_predict", "validate", "test", "predict")
 STEP_FRAMES = ("training_step", "validation_step", "test_step", "predict_step")
+#: Lightning's loop files and the step each runs (the evaluation loop runs validation, or test under ``_test_impl``).
+LOOP_FILES = {"training_epoch_loop.py": "training_step", "automatic.py": "training_step", "manual.py": "training_step",
+              "evaluation_loop.py": "validation_step", "prediction_loop.py": "predict_step"}
 #: Packages whose frames sit between a user's call and the collective (``self.all_gather`` -> torch).
 PLUMBING = ("torch", "lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning")
 LIBRARY_PATHS = ("site-packages", "dist-packages", "/lib/python3")
+#: Lightning's loops and trainer: a collective reached through them, before any user frame, is Lightning's own.
+LIGHTNING_LOOPS = ("/pytorch/loops/", "/pytorch/trainer/", "/pytorch_lightning/loops/", "/pytorch_lightning/trainer/")
 
 
 class HangInputError(ValueError):
@@ -172,9 +177,20 @@ def _signature(op: Op) -> tuple[Any, ...]:
 
 
 def _phase(frames: list[dict[str, Any]]) -> str | None:
-    """The outermost Lightning step on the stack (frames are innermost first)."""
+    """The outermost Lightning step on the stack (frames are innermost first); outside the user's step (the
+    backward and optimizer step of the training closure, the loops' own collectives), the innermost Lightning
+    loop that runs it."""
     steps = [f.get("name") for f in frames if f.get("name") in STEP_FRAMES]
-    return steps[-1] if steps else None
+    if steps:
+        return steps[-1]
+    for frame in frames:
+        path = (frame.get("filename") or "").replace("\\", "/")
+        loop = LOOP_FILES.get(Path(path).name) if "/loops/" in path and "lightning" in path else None
+        if loop == "validation_step" and any(f.get("name") == "_test_impl" for f in frames):
+            return "test_step"
+        if loop is not None:
+            return loop
+    return None
 
 
 def _origin(frames: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -196,7 +212,9 @@ def _direct_caller(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The frame that called the collective, past torch's and Lightning's plumbing, if it is the user's own
     code (not a library's, ours included)."""
     for frame in frames:
-        path = frame.get("filename") or ""
+        path = (frame.get("filename") or "").replace("\\", "/")
+        if any(loop in path for loop in LIGHTNING_LOOPS):
+            return None  # issued by Lightning's own loop (the user's frame below it only called fit)
         if any(f"/{lib}/" in path for lib in PLUMBING):
             continue
         return frame if not any(p in path for p in LIBRARY_PATHS) and "lightning_zeromoe" not in path else None
@@ -345,7 +363,8 @@ def _kind(d: Divergence) -> str:
 def _explain(found: list[Divergence], missing: list[int],
              crashed: dict[int, Op]) -> tuple[Divergence | None, str | None]:
     """The divergence to show and its entry: a dead rank first, unless every dead rank's stacks show the
-    collective it died in and the sides name a more specific pattern; else the most specific kind, earliest."""
+    collective it died in and the sides name a more specific pattern; else the most specific kind, the one
+    with fewest silent ranks, earliest."""
     def issued_at(d: Divergence) -> int:
         return min([op.time_ns for op in d.issued if op.died is None] or [1 << 62])
 
@@ -355,9 +374,10 @@ def _explain(found: list[Divergence], missing: list[int],
         shown = max(found, key=issued_at)
         kind = _kind(shown) if set(missing) <= set(crashed) else None
         return shown, (kind if kind in KINDS else "peer-rank-died")
-    kinds = sorted(((KINDS.index(k) if k in KINDS else len(KINDS), issued_at(d), k, i)
+    # the most specific kind; among its divergences, one where every rank issued something (it shows each side)
+    kinds = sorted(((KINDS.index(k) if k in KINDS else len(KINDS), len(d.silent) + len(d.no_dump), issued_at(d), k, i)
                     for i, d in enumerate(found) for k in [_kind(d)]))
-    _, _, kind, index = kinds[0]
+    *_, kind, index = kinds[0]
     return found[index], kind
 
 
