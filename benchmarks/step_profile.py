@@ -346,13 +346,15 @@ def summarize(res: dict[str, Any]) -> str:
             "| part | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
     for part in ("total", *PARTS):
         out.append(f"| {part} | " + " | ".join(f"{split[s][part]:.1f}" for s in sides) + " |")
-    inner = sorted({k for s in sides for r in res["runs"][s] for st in r[0]["inner_ms"] for k in st})
+    pieces = {s: [r[0]["inner_ms"] for r in res["runs"][s] if any(r[0].get("inner_ms", []))] for s in sides}
+    inner = sorted({k for s in sides for steps in pieces[s] for st in steps for k in st})
     if inner:
-        out += ["", "### Pieces inside the parts, ms per step (rank 0; median as above)", "",
+        out += ["", "### Pieces inside the parts, ms per step (rank 0; median as above; launches: "
+                + ", ".join(f"{s} {len(pieces[s])}" for s in sides if pieces[s]) + ")", "",
                 "| piece | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
         for k in inner:
             out.append(f"| {k} | " + " | ".join(
-                f"{_med([_med([st.get(k, 0.0) for st in r[0]['inner_ms']]) for r in res['runs'][s]]):.1f}"
+                f"{_med([_med([st.get(k, 0.0) for st in steps]) for steps in pieces[s]]):.1f}" if pieces[s] else "-"
                 for s in sides) + " |")
     out += ["", "### Collectives per profiled step, rank 0 (torch.profiler CPU time, ms; calls)", ""]
     names = sorted({n for s in sides for r in res["runs"][s] for n in r[0]["comm_ms"]})
