@@ -205,10 +205,9 @@ def _after_step(args: argparse.Namespace, rec: StepRecord, clock: Clock, prof: P
 
 
 def _run_zeromoe(args: argparse.Namespace, rec: StepRecord, world: int) -> None:
+    """``native_peer.py``'s LightningModule (the same model, data, loss and optimizer), its hooks timing the
+    step instead of counting memory."""
     import lightning as L
-    import torch
-    from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM
     from typing_extensions import override
 
     from lightning_zeromoe import ZeroMoEStrategy
@@ -219,17 +218,9 @@ def _run_zeromoe(args: argparse.Namespace, rec: StepRecord, world: int) -> None:
     strategy = ZeroMoEStrategy(ep_size=world, **kwargs)
     clock, prof = Clock(), Profiled(args.profiled)
     timed_end = args.warmup + args.steps
+    peer = native_peer.Record(side=rec.side, model="mixtral", rank=rec.rank, world=world, losses=rec.losses)
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model: Any = None
-
-        @override
-        def configure_model(self) -> None:
-            if self.model is None:
-                self.model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-
+    class Module(type(native_peer._lightning_module(args, peer, native=False))):  # type: ignore[misc]
         @override
         def on_train_start(self) -> None:
             engine = self.trainer.strategy.model
@@ -242,24 +233,8 @@ def _run_zeromoe(args: argparse.Namespace, rec: StepRecord, world: int) -> None:
             clock.close()
 
         @override
-        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
-            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
-            rec.losses.append(float(loss.detach()))
-            return loss
-
-        @override
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             _after_step(args, rec, clock, prof, self.trainer.global_step, timed_end)
-
-        @override
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=native_peer.LR, weight_decay=0.0)
-
-        @override
-        def train_dataloader(self) -> DataLoader:
-            data = native_peer.Tokens(args.data)
-            return DataLoader(data, batch_size=args.micro, sampler=native_peer._sampler(data, world, rec.rank),
-                              drop_last=True)
 
     kw = native_peer._trainer_kwargs(args, world)
     kw["max_steps"] = timed_end + args.profiled
