@@ -367,8 +367,9 @@ def summarize(res: dict[str, Any]) -> str:
     out += ["", "### Parity with the plain single-process run (max abs diff of the per-step loss, every launch)", ""]
     same = [[rank["losses"] for rank in ranks] for ranks in res["runs"].get("zeromoe", [])[:1]]
     for s in sides:
-        identical = "" if s == "zeromoe" or not same else "; every rank's losses identical to zeromoe's, bit for bit: " + \
-            ("yes" if all([rank["losses"] for rank in ranks] == same[0] for ranks in res["runs"][s]) else "no")
+        equal = all([rank["losses"] for rank in ranks] == same[0] for ranks in res["runs"][s]) if same else False
+        identical = "" if s == "zeromoe" or not same else \
+            f"; every rank's losses identical to zeromoe's, bit for bit: {'yes' if equal else 'no'}"
         out.append(f"- {s}: {max(res['parity'][s]):.2e} (tolerance {res['args']['tolerance']:g}){identical}")
     return "\n".join(out)
 
@@ -422,7 +423,8 @@ def adamw_report(args: argparse.Namespace) -> str:
         cells = []
         for v, base in ((here[name], here[first]), (no_mmap[name], no_mmap[first])):
             ratio = [a / b for a, b in zip(v, base)]
-            cells += [f"{_med(v):.1f} ({min(v):.1f}-{max(v):.1f})", f"{_med(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})"]
+            cells += [f"{_med(v):.1f} ({min(v):.1f}-{max(v):.1f})",
+                      f"{_med(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
