@@ -57,3 +57,19 @@ def test_counts_in_the_table_are_recounted():
 def test_choosing_page_carries_the_capability_table():
     page = (REPO / "docs/choosing.md").read_text()
     assert BENCH.CAPABILITIES.strip() in page
+
+
+def test_step_profile_times_pieces_the_installed_deepspeed_still_has():
+    """``benchmarks/step_profile.py`` splits ``DeepSpeedEngine.step`` by wrapping these ZeRO-3 optimizer methods
+    and the gradient reduce-scatter as ``stage3.py`` imported it; a method renamed by an upgrade would read as
+    0 ms there, so it fails here instead."""
+    from deepspeed.runtime.zero import stage3
+
+    spec = importlib.util.spec_from_file_location("step_profile", REPO / "benchmarks" / "step_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    gone = [name for name in module.ZERO3_STEP_PIECES
+            if not callable(getattr(stage3.DeepSpeedZeroOptimizer_Stage3, name, None))]
+    assert gone == []
+    assert callable(stage3.reduce_scatter_coalesced)
