@@ -196,7 +196,8 @@ _RESUME_OTHER_SHAPE_TOLD = re.compile(
 #: GPU memory said to have run out: "显存不足", "爆显存", "CUDA OOM", "not enough GPU memory".
 _GPU_MEMORY_TOLD = re.compile(
     r"显存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆|OOM)|(?:爆|撑爆|耗尽|占满)了?显存|\b(?:CUDA|GPU|VRAM)[ -]?OOM\b"
-    r"|\bOOM (?:on|in) (?:the |my )?GPUs?\b|\b(?:GPU|VRAM|video) ?memory\b[^.\n]{0,40}?\b(?:ran out|runs? out|running out"
+    r"|\bOOM (?:on|in) (?:the |my )?GPUs?\b"
+    r"|\b(?:GPU|VRAM|video) ?memory\b[^.\n]{0,40}?\b(?:ran out|runs? out|running out"
     r"|exhausted|not enough|insufficient|is full|was full)|\b(?:not|no) enough (?:GPU|VRAM|video) ?memory"
     r"|\bout of (?:GPU|VRAM|video) ?memory", re.I)
 #: An NCCL collective said to have timed out, as an event (not a setting: "I set the NCCL timeout to 2 h"):
@@ -210,7 +211,8 @@ _NCCL_TIMEOUT_TOLD = re.compile(
 _DISK_FULL_TOLD = re.compile(
     r"磁盘(?:空间)?(?:不足|满了|已满|不够|占满)|硬盘(?:空间)?(?:不足|满了|已满|不够)"
     r"|\b(?:disk|storage|filesystem|file system|partition)\b[^.\n]{0,30}?\b(?:is |was |got |gets |became |becomes )"
-    r"(?:full|out of space)\b|\bno (?:more )?(?:disk )?space left\b|\b(?:run|runs|running|ran) out of (?:disk|storage) ?space\b"
+    r"(?:full|out of space)\b|\bno (?:more )?(?:disk )?space left\b"
+    r"|\b(?:run|runs|running|ran) out of (?:disk|storage) ?space\b"
     r"|\bdisk quota\b|\bout of disk space\b", re.I)
 #: What ``told`` facts say, and how each is told.
 _TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD),
