@@ -36,14 +36,22 @@ Tried once per run, on 2 ranks and the Mixtral model (a single launch each, not 
 
 What happened with each is printed (the real error if it failed) under "Tries".
 
-**Parity first.** A plain single-process run (in this process, before any launch) trains each model
-on the same global batches; every launch's per-step loss (the mean of its ranks' micro-batch losses,
-which is the global batch's loss since every rank gets the same number of tokens) must equal it within
-``--tolerance`` (1e-4, fp32: sharded reductions sum in another order, which moves a loss of about 7 by
-an ulp or two (2.4e-7 each) a step, and AdamW's normalised steps carry such differences forward; measured,
-the native side on both models and ours on Mixtral stay within 2e-6 over 10 steps, so 1e-4, 1.5e-5 of
-the loss, leaves fifty times that margin and is not widened to pass a side). A side over the
-tolerance is marked **NO** in the parity table and the run exits 1 after printing every table.
+**Parity first.** Before the timed launches, each side trains each model once on each ``--ranks`` with SGD
+(lr 0.5) in place of AdamW, and its per-step loss (the mean of its ranks' micro-batch losses, which is the
+global batch's loss since every rank gets the same number of tokens) must equal a plain single-process SGD
+run's on the same global batches within ``--tolerance`` (1e-5; fp32 rounding moves a loss of about 7 by an
+ulp, 4.8e-7, or two). A side over it is marked **NO** and the run exits 1 after printing every table. SGD
+is the gate because its updates are proportional to the gradients: rounding stays rounding, and a gradient
+of the wrong scale, which AdamW's normalised update hides, shows. The driver also runs, single-process,
+deliberate changes of the math (the learning rate times 1.01, the router frozen) and prints their distance
+to the plain run, so a reader sees what the tolerance would catch.
+
+The timed AdamW launches are compared with the plain AdamW run too, and their drift is printed beside the
+plain run's own drift when only the order of each batch's rows changes (``--reorders`` runs, seeds 0, 1,
+...): the same loss summed in another order. Under AdamW such a run can drift past 1e-4 in 10 steps on the
+Qwen3-MoE model: each update is divided by the root of its second moment, so last-bit differences in a
+near-zero gradient become full-size steps, and a top-k router then picks another expert for a token whose
+two best scores were within rounding. That drift is information, not a gate.
 
 **Tables** (medians over ``--repeats``; each repeat launches every side once, the first side swapping
 each repeat):
@@ -121,7 +129,9 @@ MODELS = ("mixtral", "qwen3_moe")
 LABELS = {"native": "transformers FSDP2 + EP, plain loop", "zeromoe": "Lightning + ZeroMoEStrategy (ZeRO-3 + AutoEP)",
           "native_hf_trainer": "transformers FSDP2 + EP in the HF Trainer",
           "native_lightning_mp": "transformers FSDP2 + EP in Lightning's ModelParallelStrategy"}
-LR = 1e-3
+LR = 1e-3  # AdamW's, in the timed launches
+SGD_LR = 0.5  # SGD's, in the parity launches
+TOLERANCE = 1e-5  # the SGD parity gate, max abs loss diff to the plain run
 MB = 1e6
 
 
@@ -143,6 +153,15 @@ def build_model(family: str, hidden: int, intermediate: int) -> Any:
                                          num_experts=8, decoder_sparse_step=1, mlp_only_layers=[],
                                          head_dim=hidden // 4, **common)
     return transformers.Qwen3MoeForCausalLM(config)
+
+
+def make_optimizer(name: str, params: Any) -> Any:
+    """``adamw`` (lr 1e-3, no weight decay: the timed launches) or ``sgd`` (lr 0.5: the parity launches)."""
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=SGD_LR)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
 
 class Tokens:
@@ -356,7 +375,7 @@ def _run_native(args: argparse.Namespace, rec: Record) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=_native_config(rec.world, args.ep),
                                                  dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = make_optimizer(args.optimizer, model.parameters())
     data = Tokens(args.data)
     loader = DataLoader(data, batch_size=args.micro, sampler=_sampler(data, rec.world, rec.rank), drop_last=True)
     rec.rss["setup"] = rss_mb()
@@ -449,7 +468,7 @@ def _lightning_module(args: argparse.Namespace, rec: Record, native: bool) -> An
 
         @override
         def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+            return make_optimizer(args.optimizer, self.parameters())
 
         @override
         def train_dataloader(self) -> DataLoader:
@@ -609,13 +628,13 @@ def _free_port() -> int:
 
 
 def launch(side: str, family: str, world: int, base: Path, out: Path, args: argparse.Namespace,
-           must_work: bool = True) -> dict[str, Any]:
+           must_work: bool = True, optimizer: str = "adamw") -> dict[str, Any]:
     """One torchrun launch; its ranks' records, the launch's wall time and its start time."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), str(Path(__file__).resolve()), "--worker", side,
            "--family", family, "--model", str(base / family), "--data", str(base / "tokens.pt"), "--out", str(out),
            "--micro", str(args.global_batch // world), "--seq", str(args.seq), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--ep", str(args.ep), "--dcp", str(base / "dcp")]
+           "--steps", str(args.steps), "--ep", str(args.ep), "--dcp", str(base / "dcp"), "--optimizer", optimizer]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
@@ -644,24 +663,67 @@ def _last_error(log: str) -> str:
     return "\n".join(lines[-6:]) or log[-2000:]
 
 
-def reference_losses(family: str, base: Path, args: argparse.Namespace) -> list[float]:
-    """The plain single-process run: the global batches in order, the same model and optimizer."""
+def reference_losses(family: str, base: Path, args: argparse.Namespace, optimizer: str = "adamw",
+                     reorder_seed: int | None = None, change: str = "",
+                     routes: list[list[Any]] | None = None) -> list[float]:
+    """The plain single-process run: the global batches in order, the same model and optimizer.
+
+    ``reorder_seed``: each global batch's rows in a random order (the same loss, summed in another order).
+    ``change``: a deliberate change of the math, for the controls: ``lr x1.01`` or ``router frozen``.
+    ``routes``: filled with each step's experts per token and layer (sorted top-k indices, in the batch's
+    original row order) and the router's probabilities, from the routers (``mlp.gate``, whose output is
+    ``(logits, weights, indices)`` in both families)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base / family), dtype=torch.float32)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    step_routes: list[Any] = []
+    if routes is not None:
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(lambda mod, inp, out: step_routes.append(
+                (out[2].sort(-1).values, out[0].detach().float().softmax(-1))))
+    params = [p for n, p in model.named_parameters() if not (change == "router frozen" and ".mlp.gate." in n)]
+    opt = make_optimizer(optimizer, params)
+    if change == "lr x1.01":
+        for group in opt.param_groups:
+            group["lr"] *= 1.01
     tokens = torch.load(base / "tokens.pt")
+    gen = torch.Generator().manual_seed(reorder_seed) if reorder_seed is not None else None
     losses = []
     for step in range(args.warmup + args.steps):
         batch = tokens[step * args.global_batch:(step + 1) * args.global_batch]
+        order = torch.randperm(len(batch), generator=gen) if gen is not None else torch.arange(len(batch))
+        batch = batch[order]
+        step_routes.clear()
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        if routes is not None:  # back to the original row order: row order[i] of the batch sits at i
+            undo = torch.argsort(order)
+            routes.append([tuple(t.view(len(batch), args.seq, -1)[undo].flatten(0, 1) for t in r) for r in step_routes])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses
+
+
+def first_reroute(routes: list[list[Any]], ref: list[list[Any]]) -> str:
+    """Where a run's routing first differs from the reference run's: step, layer, how many tokens, and how
+    far apart the reference's k-th and next router probabilities were for the first of them."""
+    for step, (mine, theirs) in enumerate(zip(routes, ref), start=1):
+        for layer, ((a, _), (b, probs)) in enumerate(zip(mine, theirs)):
+            moved = (a != b).any(-1)
+            if moved.any():
+                k = a.shape[-1]
+                top = probs[int(moved.nonzero()[0, 0])].topk(k + 1).values
+                n = int(moved.sum())
+                return (f"step {step}, layer {layer}: {n} token{'s' * (n > 1)} (the first one's probabilities of "
+                        f"its expert {k} and {k + 1} in the plain run {float(top[k - 1] - top[k]):.1e} apart)")
+    return "none"
+
+
+def _drift(losses: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) for a, b in zip(losses, ref)) if len(losses) == len(ref) else float("inf")
 
 
 def parity(run: dict[str, Any], ref: list[float]) -> float:
@@ -670,8 +732,7 @@ def parity(run: dict[str, Any], ref: list[float]) -> float:
     steps = min(len(r["losses"]) for r in ranks)
     if steps != len(ref):
         return float("inf")
-    means = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)]
-    return max(abs(a - b) for a, b in zip(means, ref))
+    return _drift([statistics.fmean(r["losses"][i] for r in ranks) for i in range(steps)], ref)
 
 
 def _med(values: list[float]) -> float:
@@ -680,6 +741,36 @@ def _med(values: list[float]) -> float:
 
 def _span(values: list[float], fmt: str = ".0f") -> str:
     return f"{_med(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def parity_tables(res: dict[str, Any], runs: list[dict[str, Any]], tol: float) -> list[str]:
+    """The SGD parity launches against the plain run (the gate), and the timed AdamW launches' drift beside
+    the plain run's own drift when only the order of each batch's rows changes."""
+    out = ["### Parity with a plain single-process run (max abs diff of the per-step loss)", "",
+           f"SGD (lr {SGD_LR:g}), one launch each: the gate.", "",
+           f"| model | ranks | side | max abs diff | within {tol:g} |", "|---|---:|---|---:|---|"]
+    for r in sorted(res.get("parity_runs", []), key=lambda r: (r["model"], r["world"], r["side"])):
+        out.append(f"| {r['model']} | {r['world']} | {r['side']} | {r['parity']:.1e} | "
+                   f"{'yes' if r['parity'] <= tol else '**NO**'} |")
+    out += ["", f"AdamW (lr {LR:g}), the timed launches (every launch), beside the plain run against itself with "
+            "each batch's rows reordered (max over the reordered runs) and deliberate changes of the math:", "",
+            "| model | ranks | side | launches | max abs diff |", "|---|---:|---|---:|---:|"]
+    for r in sorted({((x["model"], x["world"]), x["side"]) for x in runs if "parity" in x},
+                    key=lambda x: (x[0][0], x[0][1], x[1])):
+        diffs = [x["parity"] for x in runs if (x["model"], x["world"]) == r[0] and x["side"] == r[1]]
+        out.append(f"| {r[0][0]} | {r[0][1]} | {r[1]} | {len(diffs)} | {max(diffs):.1e} |")
+    for family, reorders in res.get("reorders", {}).items():
+        out.append(f"| {family} | 1 | plain, rows reordered | {len(reorders)} | "
+                   f"{max(r['drift'] for r in reorders):.1e} |")
+    out += ["", "The plain AdamW run with each batch's rows reordered (seed: max abs diff; where its top-k "
+            "routing first differs from the plain run's, counted in the batch's original row order):", ""]
+    for family, reorders in res.get("reorders", {}).items():
+        out.append(f"- {family}: " + "; ".join(f"{r['seed']}: {r['drift']:.1e}, rerouted {r['first_reroute']}"
+                                               for r in reorders))
+    out += ["", "Changes of the math in the plain run (max abs diff to the unchanged plain run, same optimizer):", ""]
+    for family, controls in res.get("controls", {}).items():
+        out.append(f"- {family}: " + "; ".join(f"{k} {v:.1e}" for k, v in controls.items()))
+    return out
 
 
 def tables(res: dict[str, Any]) -> str:
@@ -695,12 +786,7 @@ def tables(res: dict[str, Any]) -> str:
     def of(side: str, combo: tuple[str, int]) -> list[dict[str, Any]]:
         return [r for r in runs if r["side"] == side and key(r) == combo]
 
-    out += ["### Parity with a plain single-process run (max abs diff of the per-step loss, every launch)", "",
-            f"| model | ranks | side | launches | max abs diff | within {tol:g} |", "|---|---:|---|---:|---:|---|"]
-    for r in sorted({(key(r), r["side"]) for r in runs if "parity" in r}, key=lambda x: (x[0][0], x[0][1], x[1])):
-        diffs = [x["parity"] for x in runs if key(x) == r[0] and x["side"] == r[1]]
-        out.append(f"| {r[0][0]} | {r[0][1]} | {r[1]} | {len(diffs)} | {max(diffs):.1e} | "
-                   f"{'yes' if max(diffs) <= tol else '**NO**'} |")
+    out += parity_tables(res, runs, tol)
     out += ["", "### Throughput and start", "",
             "| model | ranks | side | tokens/s, median (range) | zeromoe / native, paired | time to first step, s | "
             "imports, s | setup, s |", "|---|---:|---|---:|---:|---:|---:|---:|"]
@@ -913,7 +999,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
     parser.add_argument("--ep", type=int, default=0, help="ep_size on both sides (default: the number of ranks)")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs loss diff to the plain run")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
+                        help="max abs loss diff to the plain run in the SGD parity launches")
+    parser.add_argument("--reorders", type=int, default=8,
+                        help="plain AdamW runs with each batch's rows reordered: the rounding envelope")
     parser.add_argument("--no-tries", action="store_true", help="skip the HF Trainer / ModelParallelStrategy tries")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     parser.add_argument("--json", type=Path, help="write every launch's records here")
@@ -925,6 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--micro", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dcp", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
@@ -943,7 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(), "runs": [],
-        "reference": {}}
+        "reference": {}, "reference_sgd": {}, "reorders": {}, "controls": {}, "parity_runs": []}
     failed = []
     with tempfile.TemporaryDirectory(prefix="native_peer_") as tmp:
         base = Path(tmp)
@@ -957,16 +1047,36 @@ def main(argv: list[str] | None = None) -> int:
             res.setdefault("params", {})[family] = params
             del model
             t = time.time()
-            res["reference"][family] = reference_losses(family, base, args)
-            print(f"{family}: {params / 1e6:.1f} M parameters; single-process reference {time.time() - t:.0f} s",
-                  flush=True)
+            ref_routes: list[list[Any]] = []
+            ref = res["reference"][family] = reference_losses(family, base, args, routes=ref_routes)
+            sgd = res["reference_sgd"][family] = reference_losses(family, base, args, "sgd")
+            res["reorders"][family] = []
+            for k in range(args.reorders):
+                routes: list[list[Any]] = []
+                drift = _drift(reference_losses(family, base, args, reorder_seed=k, routes=routes), ref)
+                res["reorders"][family].append({"seed": k, "drift": drift,
+                                                "first_reroute": first_reroute(routes, ref_routes)})
+            res["controls"][family] = {f"{change}, {opt}": _drift(
+                reference_losses(family, base, args, opt, change=change), sgd if opt == "sgd" else ref)
+                for opt in ("sgd", "adamw") for change in ("lr x1.01", "router frozen")}
+            print(f"{family}: {params / 1e6:.1f} M parameters; single-process references, {args.reorders} reordered "
+                  f"runs and 4 controls {time.time() - t:.0f} s", flush=True)
 
         def record(run: dict[str, Any]) -> None:
             if run["ok"]:
                 run["parity"] = parity(run, res["reference"][run["model"]])
-                if run["parity"] > args.tolerance:
-                    failed.append(f"{run['side']}/{run['model']}/{run['world']}: {run['parity']:.2e}")
             res["runs"].append(run)
+
+        print("parity (SGD, one launch per model, rank count and side)", flush=True)
+        for family in args.models:
+            for world in args.ranks:
+                for side in SIDES:
+                    run = launch(side, family, world, base, base / "out" / f"parity{side}{family}{world}", args,
+                                 optimizer="sgd")
+                    run["parity"] = parity(run, res["reference_sgd"][family])
+                    if run["parity"] > args.tolerance:
+                        failed.append(f"{side}/{family}/{world}: {run['parity']:.2e}")
+                    res["parity_runs"].append({k: run[k] for k in ("side", "model", "world", "parity", "wall_s")})
 
         if not args.no_tries:
             print("tries (one launch each)", flush=True)
@@ -996,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header(res))
     print(tables(res))
     if failed:
-        print("\nPARITY FAILED (over --tolerance {:g}): {}".format(args.tolerance, "; ".join(failed)))
+        print("\nPARITY FAILED (SGD, over --tolerance {:g}): {}".format(args.tolerance, "; ".join(failed)))
         return 1
     return 0
 

@@ -73,3 +73,29 @@ def test_step_profile_times_pieces_the_installed_deepspeed_still_has():
             if not callable(getattr(stage3.DeepSpeedZeroOptimizer_Stage3, name, None))]
     assert gone == []
     assert callable(stage3.reduce_scatter_coalesced)
+
+
+def test_the_parity_gate_tells_a_change_of_the_math_from_rounding(tmp_path):
+    """The benchmark's gate (SGD, ``TOLERANCE``) on a small Qwen3-MoE model, single-process: the same loss
+    summed in another order (each batch's rows reordered) passes, a learning rate 1 % off and a frozen router
+    do not; the routing record finds the frozen router's first rerouted token."""
+    import argparse
+
+    import torch
+
+    args = argparse.Namespace(warmup=2, steps=6, global_batch=8, seq=32)
+    torch.save(torch.randint(0, 1024, (64, 32), generator=torch.Generator().manual_seed(0)), tmp_path / "tokens.pt")
+    BENCH.build_model("qwen3_moe", 64, 128).save_pretrained(tmp_path / "qwen3_moe")
+
+    def run(**kw):
+        routes = []
+        return BENCH.reference_losses("qwen3_moe", tmp_path, args, "sgd", routes=routes, **kw), routes
+
+    ref, ref_routes = run()
+    reordered, reordered_routes = run(reorder_seed=0)
+    assert BENCH._drift(reordered, ref) <= BENCH.TOLERANCE
+    assert BENCH.first_reroute(reordered_routes, ref_routes) == "none"
+    for change in ("lr x1.01", "router frozen"):
+        changed, routes = run(change=change)
+        assert BENCH._drift(changed, ref) > 10 * BENCH.TOLERANCE, change
+    assert BENCH.first_reroute(routes, ref_routes).startswith("step ")
