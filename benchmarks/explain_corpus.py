@@ -7,8 +7,8 @@ for a log of a run that worked). ``manifest.json`` assigns every sample to the `
 ``test`` half by a hash of its URL, fixed when the sample was saved; tune on ``dev`` only and
 report on ``test``. ``holdout2`` was collected later (2026-12-05), after the matcher had been tuned on
 ``dev`` and ``test``, as a fresh held-out set; ``holdout3`` later still, blind, while the matcher was being
-tuned on the first three; ``holdout4``, ``holdout5`` and ``holdout6`` the same way, each later still; ``all`` means every
-half.
+tuned on the first three; ``holdout4``, ``holdout5`` and ``holdout6`` the same way, each later still; ``all``
+means every half.
 
 Every sample is run the way users run explain: ``python -m troubleshooter explain FILE --json``
 in a subprocess (the ``troubleshooter`` found on ``PYTHONPATH``, so run it from the worktree with

@@ -7,9 +7,9 @@ every label is a real knowledge-base id (or ``none`` / ``healthy``), every sampl
 and the thread's conclusion, the split follows the stated rule, and the corpus keeps the size the
 issue asks for. A third half, ``holdout2``, was collected later (2026-12-05), after the matcher
 had been tuned on ``dev`` and ``test``, as a fresh held-out set, and a fourth, ``holdout3``, later still,
-blind, while the matcher was being tuned on the first three, and a fifth, ``holdout4``, and a sixth,
-``holdout5``, and a seventh, ``holdout6``, the same way after it: each is in its half by collection date, not by the hash rule. How
-explain scores on them is measured by ``benchmarks/explain_corpus.py``.
+blind, while the matcher was being tuned on the first three, and a fifth, ``holdout4``, a sixth,
+``holdout5``, and a seventh, ``holdout6``, the same way after it: each is in its half by collection date, not by
+the hash rule. How explain scores on them is measured by ``benchmarks/explain_corpus.py``.
 """
 
 from __future__ import annotations
