@@ -26,6 +26,10 @@ in a subprocess (the ``troubleshooter`` found on ``PYTHONPATH``, so run it from 
     python benchmarks/explain_corpus.py --half holdout5       # the fifth blind held-out set
     python benchmarks/explain_corpus.py --half holdout6       # the sixth blind held-out set
     python benchmarks/explain_corpus.py --half all --jobs 2
+
+``--with-title`` puts the thread's title (recorded from ``holdout6`` on) on the line above the text, as a
+bug report carries it: it separates what the matcher missed from what the paste never held (a sample
+without a recorded title runs as it is).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +61,7 @@ class Sample:
     url: str
     label: str
     kind: str
+    title: str = ""
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class Summary:
 def load_samples(half: str, manifest: Path = MANIFEST) -> list[Sample]:
     """The manifest's samples of ``half`` (one of :data:`HALVES`, or ``all``), in manifest order."""
     records = json.loads(manifest.read_text(encoding="utf-8"))["samples"]
-    samples = [Sample(r["file"], r["half"], r["url"], r["label"], r["kind"]) for r in records]
+    samples = [Sample(r["file"], r["half"], r["url"], r["label"], r["kind"], r.get("title", "")) for r in records]
     return [s for s in samples if half == "all" or s.half == half]
 
 
@@ -124,14 +130,21 @@ def judge(sample: Sample, ids: tuple[str, ...], error: str) -> Outcome:
                    correct and not error, error)
 
 
-def run(samples: list[Sample], jobs: int, timeout: float) -> list[Outcome]:
-    """Explain every sample (``jobs`` subprocesses at a time) and judge each answer."""
-    def one(sample: Sample) -> Outcome:
-        ids, error = explain_ids(CORPUS / sample.file, timeout)
-        return judge(sample, ids, error)
+def run(samples: list[Sample], jobs: int, timeout: float, with_title: bool = False) -> list[Outcome]:
+    """Explain every sample (``jobs`` subprocesses at a time) and judge each answer; ``with_title``: the
+    thread's title, where recorded, on the line above the text (in a temporary copy)."""
+    with tempfile.TemporaryDirectory(prefix="explain_corpus_") as tmp:
+        def one(sample: Sample) -> Outcome:
+            path = CORPUS / sample.file
+            if with_title and sample.title:
+                titled = Path(tmp) / Path(sample.file).name
+                titled.write_text(sample.title + "\n\n" + path.read_text(encoding="utf-8"), encoding="utf-8")
+                path = titled
+            ids, error = explain_ids(path, timeout)
+            return judge(sample, ids, error)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(one, samples))
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            return list(pool.map(one, samples))
 
 
 def summarise(half: str, outcomes: list[Outcome]) -> Summary:
@@ -178,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="explain subprocesses at a time (default 2)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per explain run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--with-title", action="store_true",
+                        help="the thread's title, where the manifest records it, on the line above each text")
     args = parser.parse_args(argv)
-    outcomes = run(load_samples(args.half), args.jobs, args.timeout)
+    outcomes = run(load_samples(args.half), args.jobs, args.timeout, args.with_title)
     summary = summarise(args.half, outcomes)
     if args.json:
         print(json.dumps({"summary": asdict(summary), "samples": [asdict(o) for o in outcomes]}, indent=1))

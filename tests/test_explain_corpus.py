@@ -76,6 +76,16 @@ def test_every_sample_is_complete_and_sourced() -> None:
         assert isinstance(s["forms"], list) and all(isinstance(f, str) and f for f in s["forms"]), s["file"]
 
 
+def test_titles_are_recorded_from_holdout6_on() -> None:
+    """From ``holdout6`` on, the manifest records each thread's title beside the paste (which may itself
+    begin with the title's words, as the user typed them), so ``benchmarks/explain_corpus.py`` can run
+    with and without it (``--with-title``)."""
+    titled = [s for s in SAMPLES if s["half"] == "holdout6"]
+    assert titled
+    for s in titled:
+        assert isinstance(s.get("title"), str) and s["title"].strip(), s["file"]
+
+
 def test_files_listed_exist_once_and_nothing_unlisted() -> None:
     listed = [s["file"] for s in SAMPLES]
     assert len(listed) == len(set(listed)), "a file is listed twice"
