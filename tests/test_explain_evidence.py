@@ -909,3 +909,40 @@ def test_a_problem_told_in_words_names_its_entry_when_no_error_line_was_pasted(t
 def test_words_that_name_a_problem_without_it_happening_name_nothing(text):
     assert "cuda-oom" not in _ids(text) and "nccl-watchdog-timeout" not in _ids(text)
     assert "checkpoint-disk-full" not in _ids(text)
+
+
+def test_a_run_said_to_stop_at_the_extensions_root_line_is_the_stale_lock():
+    # https://github.com/lucidrains/DALLE-pytorch/issues/172 (verbatim: the line retyped with spaces)
+    told = ("After I use the distributed training running program of deepspeed, the program runs to < using / home / "
+            "zz /. cache / torch_ extensions as pytorch extensions root... >  will stop at this step and no longer "
+            "run. Is there any solution?")
+    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["extensions-root-stall"]
+    assert _ids(told) == ["stale-extension-lock"]
+    # the op loaded after the line: the run went past it, whatever stopped later
+    loaded = told + "\nLoading extension module cpu_adam...\nTime to load cpu_adam op: 2.1 seconds"
+    assert _ids(loaded) == []
+    # the line with no stall told, and a stall with no such line, name nothing
+    assert _ids("Using /root/.cache/torch_extensions as PyTorch extensions root...\nthe loss looks fine") == []
+    assert _ids("training with deepspeed stops at step 100 and no longer runs") == []
+
+
+def test_a_save_said_to_hang_on_one_process_is_the_rank_subset_entry():
+    # https://github.com/bghira/SimpleTuner/issues/262 (verbatim, its first paragraph)
+    told = ("I found that when using DeepSpeed, `accelerator.save_state()` will hang. According to "
+            "https://github.com/huggingface/diffusers/issues/2606#issuecomment-1469234268, it can be fixed by "
+            "calling `accelerator.save_state()` for all processes (rather than only the main process).")
+    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["checkpoint-save-hang"]
+    assert _ids(told) == ["hang-rank-subset-save-or-eval"]
+    # a save that hangs with nothing about which processes save it (a slow gather on a big model is
+    # another cause) names nothing
+    assert _ids("When using DeepSpeed ZeRO-3, `accelerator.save_state()` will hang on my 70B model.") == []
+
+
+def test_dram_said_to_overflow_is_host_memory():
+    # https://github.com/deepspeedai/DeepSpeed/issues/4239 (the reporter quoting the maintainer's answer, verbatim)
+    told = ("> -9 is a system error. You are running stage 3 and offloading both optimizer states and parameters "
+            "which is overflowing the DRAM on the servers (the offloading is also the reason the GPU memory is not "
+            "at full capacity).")
+    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["host-memory-exhausted"]
+    assert _ids(told) == ["cpu-oom"]
+    assert _ids("The servers have 512 GB of DRAM and the run is fine.") == []

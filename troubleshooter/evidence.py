@@ -35,7 +35,9 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``),
   ``resume-on-another-shape`` ("resume training even if the number of GPUs changes", ``换卡数后续训``),
   ``gpu-memory-exhausted`` (``显存不足``, "CUDA OOM"), ``nccl-timeout`` ("NCCL timeout", ``NCCL超时``),
-  ``disk-full`` ("the disk is full", ``磁盘空间不足``);
+  ``disk-full`` ("the disk is full", ``磁盘空间不足``), ``extensions-root-stall`` (the run "stops at" or
+  "freezes" at torch's ``Using ... as PyTorch extensions root...`` line, however the line is retyped),
+  ``checkpoint-save-hang`` ("``save_state()`` will hang", "stuck while saving the checkpoint");
 * ``cut``: the innermost frame of a traceback the paste cut before its error line
   (``deepspeed/runtime/config.py::_configure_train_batch_size``): the function that was raising;
 * ``code``: the source line Python printed under the innermost frame of the last traceback (what
@@ -174,6 +176,8 @@ END_LINES = 12
 #: "CPU RAM is exhausted", "内存不足" (内存 is host memory; GPU memory is 显存).
 _HOST_MEMORY_TOLD = re.compile(
     r"\b(?:not|no|insufficient)\s+(?:enough\s+)?(?:cpu|host|system|main)[ -]?(?:memory|mem|ram)"
+    r"|\b(?:overflow\w*|exhaust\w*|fill\w*(?: up)?)\s+(?:the\s+)?(?:host\s+|server'?s?\s+)?DRAM\b"
+    r"|\bDRAM\b[^\n.]{0,30}?\b(?:overflow\w*|exhausted|runs? out|ran out|running out|(?:is|was|gets?|got) full)"
     r"|\b(?:not|no)\s+enough\s+RAM\b"
     r"|\bout of (?:cpu|host|system|main)[ -]?(?:memory|mem|ram)\b"
     r"|\bhost (?:runs? |ran |running |goes |went )?out of memory\b"
@@ -214,10 +218,27 @@ _DISK_FULL_TOLD = re.compile(
     r"(?:full|out of space)\b|\bno (?:more )?(?:disk )?space left\b"
     r"|\b(?:run|runs|running|ran) out of (?:disk|storage) ?space\b"
     r"|\bdisk quota\b|\bout of disk space\b", re.I)
+#: A run said to stall (stop, hang, freeze, "no longer run") at torch's cpp_extension line ``Using <dir> as
+#: PyTorch extensions root...`` (DeepSpeed prints it before it loads or builds an op; a lock a killed build
+#: left there makes every later load wait forever), in either order, the line however it is retyped
+#: (``torch_ extensions as pytorch extensions root``).
+_STALL = (r"(?:\b(?:stops?|stopped|stuck|hangs?|hung|hanging|freez\w*|froze|frozen|halts?|halted)\b"
+          r"|\bno longer (?:runs?|moves?|progress\w*|continues?)\b|\bnothing (?:happens|more)\b"
+          r"|\bwaits? forever\b|卡住|卡在|卡死|不动)")
+_EXTENSIONS_ROOT_STALL_TOLD = re.compile(
+    r"extensions?\s*root\b[\s\S]{0,200}?" + _STALL + "|" + _STALL + r"[\s\S]{0,1200}?extensions?\s*root\b", re.I)
+#: Saving a checkpoint said to hang: "``accelerator.save_state()`` will hang", "stuck when saving the model".
+_SAVE = (r"(?:save_checkpoint|save_state|save_model|save_pretrained|saving (?:the |a |my )?(?:model|checkpoint|state)"
+         r"|(?:the )?save stage|保存)")
+_HANG = r"(?:\bhangs?\b|\bhung\b|\bhanging\b|\bstuck\b|\bfreez\w*|\bfroze\b|卡住|卡死|不动)"
+_SAVE_HANG_TOLD = re.compile(
+    _SAVE + r"[^\n]{0,120}?" + _HANG + "|" + _HANG + r"[^\n]{0,60}?\b(?:when|while|during|at|in)\b[^\n]{0,40}?"
+    + _SAVE, re.I)
 #: What ``told`` facts say, and how each is told.
 _TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD),
          ("gpu-memory-exhausted", _GPU_MEMORY_TOLD), ("nccl-timeout", _NCCL_TIMEOUT_TOLD),
-         ("disk-full", _DISK_FULL_TOLD))
+         ("disk-full", _DISK_FULL_TOLD), ("extensions-root-stall", _EXTENSIONS_ROOT_STALL_TOLD),
+         ("checkpoint-save-hang", _SAVE_HANG_TOLD))
 #: A frame's source line, as Python prints it under the frame (not the ``~~~^^^`` markers below it).
 _CODE_MARKERS = re.compile(r"^[\s~^]*$")
 #: A throughput series must have this many points, and end below this share of its early best.
