@@ -946,3 +946,14 @@ def test_dram_said_to_overflow_is_host_memory():
     assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["host-memory-exhausted"]
     assert _ids(told) == ["cpu-oom"]
     assert _ids("The servers have 512 GB of DRAM and the run is fine.") == []
+
+
+def test_rank_0_gone_while_the_others_read_its_nccl_id_is_a_dead_peer():
+    # https://github.com/hiyouga/LlamaFactory/issues/2470 (the error line, verbatim, with its pdsh host prefix)
+    line = ("gpu004: RuntimeError: [14] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d "
+            "key-value store by key '0', but store->get('0') got error: Connection reset by peer. This may indicate a "
+            "possible application crash on rank 0 or a network set up issue.")
+    assert _ids(line) == ["peer-rank-died"]
+    # the same call timing out is rank 0 being slow (saving, loading), not rank 0 gone
+    slow = line.replace("Connection reset by peer", "wait timeout after 600000ms")
+    assert "peer-rank-died" not in _ids(slow)
