@@ -957,3 +957,26 @@ def test_rank_0_gone_while_the_others_read_its_nccl_id_is_a_dead_peer():
     # the same call timing out is rank 0 being slow (saving, loading), not rank 0 gone
     slow = line.replace("Connection reset by peer", "wait timeout after 600000ms")
     assert "peer-rank-died" not in _ids(slow)
+
+
+@pytest.mark.parametrize("line, entry", [
+    # https://github.com/PrimeIntellect-ai/prime-rl/pull/3186: a rank that did not time out itself, told by
+    # the flight recorder that rank 13 did (verbatim, cut after its first sentence)
+    ("[rank0]:[E804 23:05:54.817424543 ProcessGroupNCCL.cpp:1914] [PG ID 0 PG GUID 0(default_pg) Rank 0] Received "
+     "a dump signal due to a collective timeout from  rank 13 and we will try our best to dump the debug info.",
+     "nccl-watchdog-timeout"),
+    # https://github.com/NVIDIA/cudf-spark/pull/7632 (verbatim): a completion queue needs locked memory too
+    ("ERROR mlx5_0: ibv_create_cq() failed: Cannot allocate memory.", "memlock-limit"),
+    # https://github.com/QwenLM/Qwen/issues/1125: nvcc's refusal inside DeepSpeed's fused_adam build (its
+    # compile line shortened to the include path that shows DeepSpeed)
+    ("/usr/local/cuda/bin/nvcc -DTORCH_EXTENSION_NAME=fused_adam "
+     "-I/usr/local/lib/python3.8/dist-packages/deepspeed/ops/csrc/includes -gencode=arch=compute_89,code=sm_89 "
+     "-c multi_tensor_adam.cu -o multi_tensor_adam.cuda.o\nnvcc fatal   : Unsupported gpu architecture 'compute_89'",
+     "extension-build-error"),
+])
+def test_library_lines_read_in_round_6(line, entry):
+    assert _ids(line) == [entry]
+
+
+def test_nvcc_refusing_an_architecture_outside_deepspeed_is_not_a_deepspeed_op_build():
+    assert _ids("pip install flash-attn\nnvcc fatal   : Unsupported gpu architecture 'compute_89'") == []
