@@ -102,7 +102,7 @@ def test_numbering_is_unique() -> None:
 
 
 def test_each_held_out_half_is_numbered_on_from_the_halves_before_it() -> None:
-    """The holdouts were collected in order (2, 3, 4, 5, 6, 7), after dev and test: their numbers continue the corpus."""
+    """The holdouts were collected in order (2 to 7), after dev and test: their numbers continue the corpus."""
     def numbers(halves: tuple[str, ...]) -> list[int]:
         return [int(Path(s["file"]).name[:3]) for s in SAMPLES if s["half"] in halves]
 
