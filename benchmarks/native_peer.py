@@ -51,7 +51,8 @@ plain run's own drift when only the order of each batch's rows changes (``--reor
 ...): the same loss summed in another order. Under AdamW such a run can drift past 1e-4 in 10 steps on the
 Qwen3-MoE model: each update is divided by the root of its second moment, so last-bit differences in a
 near-zero gradient become full-size steps, and a top-k router then picks another expert for a token whose
-two best scores were within rounding. That drift is information, not a gate.
+k-th and next router probabilities were within rounding (printed for each reordered run: where its routing
+first differs from the plain run's). That drift is information, not a gate.
 
 **Tables** (medians over ``--repeats``; each repeat launches every side once, the first side swapping
 each repeat):
@@ -699,7 +700,8 @@ def reference_losses(family: str, base: Path, args: argparse.Namespace, optimize
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         if routes is not None:  # back to the original row order: row order[i] of the batch sits at i
             undo = torch.argsort(order)
-            routes.append([tuple(t.view(len(batch), args.seq, -1)[undo].flatten(0, 1) for t in r) for r in step_routes])
+            routes.append([tuple(t.view(len(batch), args.seq, -1)[undo].flatten(0, 1) for t in r)
+                           for r in step_routes])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
