@@ -41,6 +41,11 @@ def _facts(text: str) -> evidence.Evidence:
     return evidence.collect(normalize(text))
 
 
+def _told_kinds(text: str) -> list[str]:
+    """The kinds of the ``told`` facts (a problem stated in words) the report holds."""
+    return [f.value.split(":")[0] for f in _facts(text).of("told")]
+
+
 # -- the schema -------------------------------------------------------------------------------
 
 
@@ -876,7 +881,7 @@ def test_resuming_on_another_number_of_gpus_told_in_words_is_the_resume_shape_en
     told = ("I'm using 🤗 Accelerate with DeepSpeed (ZeRO Stage 2) and I'm implementing a custom checkpointing "
             "mechanism for my optimizer state. My primary goal is to reliably resume training even if the number of "
             "GPUs (`world_size`) changes between runs.")
-    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["resume-on-another-shape"]
+    assert _told_kinds(told) == ["resume-on-another-shape"]
     assert _ids(told) == ["resume-shape-unsupported"]
     # without a DeepSpeed run in the report, the question is not this entry's
     assert _ids(told.replace("with DeepSpeed (ZeRO Stage 2) ", "")) == []
@@ -911,41 +916,42 @@ def test_words_that_name_a_problem_without_it_happening_name_nothing(text):
     assert "checkpoint-disk-full" not in _ids(text)
 
 
-def test_a_run_said_to_stop_at_the_extensions_root_line_is_the_stale_lock():
-    # https://github.com/lucidrains/DALLE-pytorch/issues/172 (verbatim: the line retyped with spaces)
-    told = ("After I use the distributed training running program of deepspeed, the program runs to < using / home / "
-            "zz /. cache / torch_ extensions as pytorch extensions root... >  will stop at this step and no longer "
-            "run. Is there any solution?")
-    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["extensions-root-stall"]
-    assert _ids(told) == ["stale-extension-lock"]
-    # the op loaded after the line: the run went past it, whatever stopped later
-    loaded = told + "\nLoading extension module cpu_adam...\nTime to load cpu_adam op: 2.1 seconds"
-    assert _ids(loaded) == []
-    # the line with no stall told, and a stall with no such line, name nothing
-    assert _ids("Using /root/.cache/torch_extensions as PyTorch extensions root...\nthe loss looks fine") == []
-    assert _ids("training with deepspeed stops at step 100 and no longer runs") == []
+#: https://github.com/lucidrains/DALLE-pytorch/issues/172 (verbatim: the line retyped with spaces)
+EXTENSIONS_ROOT_STALL = (
+    "After I use the distributed training running program of deepspeed, the program runs to < using / home / "
+    "zz /. cache / torch_ extensions as pytorch extensions root... >  will stop at this step and no longer run. "
+    "Is there any solution?")
+#: https://github.com/bghira/SimpleTuner/issues/262 (verbatim, its first paragraph)
+SAVE_HANG = (
+    "I found that when using DeepSpeed, `accelerator.save_state()` will hang. According to "
+    "https://github.com/huggingface/diffusers/issues/2606#issuecomment-1469234268, it can be fixed by "
+    "calling `accelerator.save_state()` for all processes (rather than only the main process).")
+#: https://github.com/deepspeedai/DeepSpeed/issues/4239 (the reporter quoting the maintainer's answer, verbatim)
+DRAM_OVERFLOW = (
+    "> -9 is a system error. You are running stage 3 and offloading both optimizer states and parameters "
+    "which is overflowing the DRAM on the servers (the offloading is also the reason the GPU memory is not "
+    "at full capacity).")
 
 
-def test_a_save_said_to_hang_on_one_process_is_the_rank_subset_entry():
-    # https://github.com/bghira/SimpleTuner/issues/262 (verbatim, its first paragraph)
-    told = ("I found that when using DeepSpeed, `accelerator.save_state()` will hang. According to "
-            "https://github.com/huggingface/diffusers/issues/2606#issuecomment-1469234268, it can be fixed by "
-            "calling `accelerator.save_state()` for all processes (rather than only the main process).")
-    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["checkpoint-save-hang"]
-    assert _ids(told) == ["hang-rank-subset-save-or-eval"]
-    # a save that hangs with nothing about which processes save it (a slow gather on a big model is
-    # another cause) names nothing
-    assert _ids("When using DeepSpeed ZeRO-3, `accelerator.save_state()` will hang on my 70B model.") == []
-
-
-def test_dram_said_to_overflow_is_host_memory():
-    # https://github.com/deepspeedai/DeepSpeed/issues/4239 (the reporter quoting the maintainer's answer, verbatim)
-    told = ("> -9 is a system error. You are running stage 3 and offloading both optimizer states and parameters "
-            "which is overflowing the DRAM on the servers (the offloading is also the reason the GPU memory is not "
-            "at full capacity).")
-    assert [f.value.split(":")[0] for f in _facts(told).of("told")] == ["host-memory-exhausted"]
-    assert _ids(told) == ["cpu-oom"]
-    assert _ids("The servers have 512 GB of DRAM and the run is fine.") == []
+@pytest.mark.parametrize("told, kind, entry, near_misses", [
+    (EXTENSIONS_ROOT_STALL, "extensions-root-stall", "stale-extension-lock", [
+        # the op loaded after the line: the run went past it, whatever stopped later
+        EXTENSIONS_ROOT_STALL + "\nLoading extension module cpu_adam...\nTime to load cpu_adam op: 2.1 seconds",
+        # the line with no stall told, and a stall with no such line
+        "Using /root/.cache/torch_extensions as PyTorch extensions root...\nthe loss looks fine",
+        "training with deepspeed stops at step 100 and no longer runs"]),
+    (SAVE_HANG, "checkpoint-save-hang", "hang-rank-subset-save-or-eval", [
+        # a save that hangs with nothing about which processes save it (a slow gather on a big model is
+        # another cause)
+        "When using DeepSpeed ZeRO-3, `accelerator.save_state()` will hang on my 70B model."]),
+    (DRAM_OVERFLOW, "host-memory-exhausted", "cpu-oom", ["The servers have 512 GB of DRAM and the run is fine."]),
+], ids=["extensions-root-stall", "save-hang", "dram-overflow"])
+def test_a_problem_told_in_round_6s_words_names_its_entry_and_its_near_misses_name_nothing(
+        told, kind, entry, near_misses):
+    assert _told_kinds(told) == [kind]
+    assert _ids(told) == [entry]
+    for text in near_misses:
+        assert _ids(text) == [], text
 
 
 def test_rank_0_gone_while_the_others_read_its_nccl_id_is_a_dead_peer():

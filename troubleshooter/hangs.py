@@ -184,7 +184,7 @@ def _phase(frames: list[dict[str, Any]]) -> str | None:
     if steps:
         return steps[-1]
     for frame in frames:
-        path = (frame.get("filename") or "").replace("\\", "/")
+        path = _frame_path(frame)
         loop = LOOP_FILES.get(Path(path).name) if "/loops/" in path and "lightning" in path else None
         if loop == "validation_step" and any(f.get("name") == "_test_impl" for f in frames):
             return "test_step"
@@ -208,11 +208,16 @@ def _origin(frames: list[dict[str, Any]]) -> tuple[str, str | None]:
     return "library", next((n for n in names if n not in ("wrapper", "log_wrapper")), None)
 
 
+def _frame_path(frame: dict[str, Any]) -> str:
+    """A frame's file name with forward slashes (a Windows rank's too)."""
+    return (frame.get("filename") or "").replace("\\", "/")
+
+
 def _direct_caller(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The frame that called the collective, past torch's and Lightning's plumbing, if it is the user's own
     code (not a library's, ours included)."""
     for frame in frames:
-        path = (frame.get("filename") or "").replace("\\", "/")
+        path = _frame_path(frame)
         if any(loop in path for loop in LIGHTNING_LOOPS):
             return None  # issued by Lightning's own loop (the user's frame below it only called fit)
         if any(f"/{lib}/" in path for lib in PLUMBING):
@@ -270,7 +275,7 @@ def _crash_op(rank: int, text: str, process: dict[str, Any]) -> Op | None:
     """A rank that died of a fatal error: the collective its main thread was in, from its stacks (None if it
     was in none)."""
     frames = _main_thread_frames(text, process.get("main_thread"))
-    collective = next((f for f in frames if "/torch/distributed/" in f["filename"].replace("\\", "/")
+    collective = next((f for f in frames if "/torch/distributed/" in _frame_path(f)
                        and f["name"] not in ("wrapper", "_fn", "inner")), None)
     if collective is None:
         return None
