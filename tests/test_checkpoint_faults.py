@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from support.jobs import JOBS, REPO, free_port, job_env
+from support.jobs import JOBS, REPO, fatal_stacks, free_port, job_env
 from lightning_zeromoe.checkpoint.resume import reshape as resume
 from lightning_zeromoe.checkpoint.autoep_names import ResumeShapeError
 
@@ -41,7 +41,7 @@ def _digest(root: Path) -> dict[str, str]:
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}\n{fatal_stacks()}"
     return proc.stdout + proc.stderr
 
 

@@ -40,6 +40,8 @@ if str(REPO) not in sys.path:
 from lightning_zeromoe import ZeroMoEStrategy  # noqa: E402
 from lightning_zeromoe.reference.models import TinyMoEModule  # noqa: E402
 
+from _teardown import end_job  # noqa: E402  (tests/jobs: the script's own directory)
+
 STEPS = 2
 
 
@@ -65,7 +67,7 @@ def _kill_self_on(module: object, name: str, after: int) -> None:
     setattr(module, name, wrapper)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("save-killed", "save", "resume-killed", "resume"), required=True)
     parser.add_argument("--ckpt", type=Path, required=True)
@@ -100,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.fit(module, ckpt_path=args.ckpt)
         if rank == 0:
             (args.ckpt.parent / "resumed.json").write_text(json.dumps({"step": trainer.global_step}))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    end_job()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -198,9 +198,9 @@ def main() -> None:
         start = time.perf_counter()
         run(name, args.out, world)
         print(f"fit {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    from _teardown import end_process_group  # tests/jobs: the script's own directory
+    from _teardown import end_job  # tests/jobs: the script's own directory
 
-    end_process_group()
+    end_job()
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ def main() -> None:
     result["healthy"] = run_case("healthy", args.out, aux_weight=0.01, collapse=False)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{result['rank']}.json").write_text(json.dumps(result))
-    from _teardown import end_process_group  # tests/jobs: the script's own directory
+    from _teardown import end_job  # tests/jobs: the script's own directory
 
-    end_process_group()
+    end_job()
 
 
 if __name__ == "__main__":

@@ -231,9 +231,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": args.world, "runs": records}))
-    from _teardown import end_process_group  # tests/jobs: the script's own directory
+    from _teardown import end_job  # tests/jobs: the script's own directory
 
-    end_process_group()
+    end_job()
 
 
 if __name__ == "__main__":

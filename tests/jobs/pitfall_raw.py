@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 from _pitfall_common import FUNCTIONAL_PARAM, GatherCounter, Mover, PitfallLM, Sidecar, launch_two_ranks_if_needed
+from _teardown import end_job
 
 launch_two_ranks_if_needed()
 
@@ -196,6 +197,9 @@ def main() -> None:
         result[f"{name}_seconds"] = round(time.perf_counter() - start, 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{RANK}.json").write_text(json.dumps(result, indent=1, default=str))
+    # Raw DeepSpeed leaves its gloo group to the interpreter's exit, which can abort a rank after its work is
+    # written ("terminate called without an active exception": both ranks did so once in CI, exit 250).
+    end_job()
 
 
 if __name__ == "__main__":

@@ -217,9 +217,9 @@ def main() -> None:
         (args.out / name).mkdir(parents=True, exist_ok=True)
         (args.out / name / f"rank{result['rank']}.json").write_text(json.dumps(result))
         print(f"run {name}: done on rank {result['rank']} in {time.perf_counter() - start:.1f} s", flush=True)
-    from _teardown import end_process_group  # tests/jobs: the script's own directory
+    from _teardown import end_job  # tests/jobs: the script's own directory
 
-    end_process_group()
+    end_job()
 
 
 if __name__ == "__main__":

@@ -31,16 +31,31 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a command; on failure, show its output in the assertion message."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=cwd or REPO)
+def run(cmd: list[str], timeout: float = 300, cwd: Path | None = None,
+        env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a command in the jobs' environment (plus ``env_extra``); the caller checks the result."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env() | (env_extra or {}),
+                          cwd=cwd or REPO)
     return proc
+
+
+def fatal_stacks(root: Path = REPO) -> str:
+    """The Python stacks of ranks that died of a fatal signal (SIGABRT, SIGSEGV) in a job run from ``root``:
+    the strategy's flight recorder has faulthandler write them to ``<root>/flight_recorder/stacks<N>.txt``,
+    which the next run overwrites. For a failed launch's message; empty when no rank left one."""
+    found = []
+    for path in sorted((root / "flight_recorder").glob("stacks*.txt")):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            found.append(f"--- {path.name}\n{text[-3000:]}")
+    return "\n".join(found)
 
 
 def run_job(script: str, *args: str, timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     cmd = [*(launcher or [sys.executable]), str(JOBS / script), *args]
     proc = run(cmd, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-6000:]}\n{fatal_stacks()}")
     return proc
 
 
