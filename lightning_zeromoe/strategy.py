@@ -33,7 +33,8 @@ from lightning_zeromoe.config import (DEFAULT_BUCKET_SIZE, DeepSpeedConfig, Reso
 from lightning_zeromoe.discovery import Discovery, MoEPattern, discover
 from lightning_zeromoe.engine import flight_recorder as flight_recorder_
 from lightning_zeromoe.engine import (apply_timeout_to_all_groups, autoep_converted, device_memory_bytes, group_timeout,
-                                      initialize, stop_launched_ranks, use_deepspeed_cpu_accelerator)
+                                      initialize, release_cpu_allreduce_buffer, stop_launched_ranks,
+                                      use_deepspeed_cpu_accelerator)
 from lightning_zeromoe.knowledge import say
 
 if TYPE_CHECKING:
@@ -263,6 +264,8 @@ class ZeroMoEStrategy(DeepSpeedStrategy):
         # Skip DeepSpeedStrategy.setup_environment: it refuses every accelerator but CUDA.
         DDPStrategy.setup_environment(self)  # creates the process groups (setup_distributed)
         self.flight.after_groups(self.global_rank, self.world_size, lightning_private.collective_timeout(self))
+        if self._on_cpu:
+            release_cpu_allreduce_buffer(self.global_rank)
 
     @override
     def setup_distributed(self) -> None:

@@ -67,3 +67,30 @@ def test_readme_demo_command_runs(tmp_path):
     for noise in ("Failed to initialize NumPy", "litlogger", "LeafSpec", "`weights_only` was not set",
                   "deepspeed-zero-stage-3-single-file"):
         assert noise not in both, f"demo output still shows {noise!r}"
+
+
+def test_a_one_process_cpu_run_leaves_no_allreduce_buffer_in_dev_shm(tmp_path):
+    """DeepSpeed's CPU all-reduce maps a 69 MB buffer per rank in /dev/shm when every rank is on this host
+    (one process, here: ``LOCAL_SIZE`` equals the world size) and never removes its name, so each such run
+    left one behind (43 of them, 2.8 GB, on this project's machine). The strategy removes the name once every
+    rank has mapped it. A real one-process run with its own MASTER_PORT, which names the buffer."""
+    import os
+
+    port = str(free_port())
+    proc = run([sys.executable, str(JOBS / "train_tiny.py"), "--out", str(tmp_path), "--steps", "2",
+                "--devices", "1", "--ep-size", "1"], cwd=tmp_path, env_extra={"MASTER_PORT": port})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rank,) = read_ranks(tmp_path, 1)
+    assert len(rank["steps"]) == 2
+    assert rank["shm_allreduce"], "DeepSpeed's shared-memory all-reduce was not in use: nothing to test"
+    assert rank["shm_buffers_left"] == []
+    assert not [p for p in os.listdir("/dev/shm") if p.endswith(f"_{port}_0")]
+
+
+def test_deepspeeds_cpu_allreduce_buffer_is_still_named_as_the_strategy_removes_it():
+    """The installed DeepSpeed's ``shm.cpp`` still names its buffers as ``shm_allreduce_buffer`` spells them:
+    an upgrade that renames them fails here, by name, instead of leaving 69 MB per run in /dev/shm again."""
+    from lightning_zeromoe.engine.processes import shm_buffer_name_changes
+
+    assert shm_buffer_name_changes() == []
+

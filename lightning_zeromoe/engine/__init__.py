@@ -6,8 +6,8 @@ What the strategy uses at import is exported here; each name lives in the module
 from lightning_zeromoe.engine import flight_recorder
 from lightning_zeromoe.engine.build import autoep_converted, initialize
 from lightning_zeromoe.engine.processes import (apply_timeout_to_all_groups, device_memory_bytes, group_timeout,
-                                                stop_launched_ranks, use_deepspeed_cpu_accelerator)
+                                                release_cpu_allreduce_buffer, stop_launched_ranks,
+                                                use_deepspeed_cpu_accelerator)
 
 __all__ = ["apply_timeout_to_all_groups", "autoep_converted", "device_memory_bytes", "flight_recorder", "group_timeout",
-           "initialize",
-           "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]
+           "initialize", "release_cpu_allreduce_buffer", "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]

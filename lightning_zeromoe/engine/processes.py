@@ -1,5 +1,5 @@
-"""The processes a run lives in: DeepSpeed's CPU accelerator, collective timeouts on every group,
-and the ranks Lightning launched.
+"""The processes a run lives in: DeepSpeed's CPU accelerator (and the shared-memory buffers its all-reduce
+leaves in /dev/shm), collective timeouts on every group, and the ranks Lightning launched.
 
 Used by :class:`~lightning_zeromoe.strategy.ZeroMoEStrategy`, and by the troubleshooter's
 reproductions and tests (which import it lazily). The private torch calls live in
@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +85,54 @@ def use_deepspeed_cpu_accelerator() -> None:
         os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
 
 
+#: DeepSpeed's CPU shared-memory all-reduce (``ops/csrc/cpu/comm/shm.cpp``, ``shm_initialize``, 0.19.8): when every
+#: rank is on one host (``LOCAL_SIZE`` equals the world size), each creates
+#: ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (69 MB), maps every other
+#: rank's, and never unlinks its own: every such run leaves them behind. These are the source lines that name it.
+SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"
+SHM_NAME_FORMATS = ('#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', '"%s_%d_%s_%s"',
+                    '"%s_%d", shm_name_prefix, rank')
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_buffer_name_changes() -> list[str]:
+    """What no longer holds of how the installed ``shm.cpp`` names its buffers (empty: all of it holds)."""
+    import deepspeed
+
+    source = Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp"
+    if not source.is_file():
+        return [f"{source} (the CPU shared-memory all-reduce's source, read for its buffer names)"]
+    text = source.read_text(errors="replace")
+    return [f"shm.cpp: {form}" for form in SHM_NAME_FORMATS if form not in text]
+
+
+def shm_allreduce_buffer(rank: int) -> Path:
+    """Where DeepSpeed's CPU all-reduce keeps ``rank``'s buffer in this run (MASTER_ADDR/PORT as it read them)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return SHM_DIR / f"{SHM_BUFFER_NAME}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_cpu_allreduce_buffer(rank: int) -> Path | None:
+    """Remove this rank's name of DeepSpeed's CPU all-reduce buffer, if it made one; returns the path removed.
+
+    First a barrier: ``shm_initialize`` maps every rank's buffer before ``init_distributed`` returns, so once
+    all ranks are past it every buffer is mapped, and a mapping outlives its name (``shm_unlink`` removes only
+    the name). Without the barrier a rank still looking the name up would wait for it forever. Call right after
+    the process groups exist. Where there is no POSIX shared memory (Windows) DeepSpeed made no buffer.
+    """
+    from lightning_zeromoe.engine.collectives import barrier
+
+    barrier()
+    if not hasattr(os, "getuid") or not SHM_DIR.is_dir():
+        return None
+    path = shm_allreduce_buffer(rank)
+    try:
+        path.unlink()
+    except (FileNotFoundError, PermissionError):
+        return None
+    return path
+
+
 def device_memory_bytes(on_cpu: bool, device: torch.device, processes_per_node: int) -> float:
     """Memory per device for the planner: the GPU's, or on CPU this host's RAM shared by its processes."""
     if not on_cpu:
@@ -91,4 +140,5 @@ def device_memory_bytes(on_cpu: bool, device: torch.device, processes_per_node: 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, processes_per_node)
 
 
-__all__ = ["apply_timeout_to_all_groups", "device_memory_bytes", "group_timeout", "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]
+__all__ = ["apply_timeout_to_all_groups", "device_memory_bytes", "group_timeout", "release_cpu_allreduce_buffer",
+           "shm_allreduce_buffer", "shm_buffer_name_changes", "stop_launched_ranks", "use_deepspeed_cpu_accelerator"]
