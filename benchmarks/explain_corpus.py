@@ -7,7 +7,7 @@ for a log of a run that worked). ``manifest.json`` assigns every sample to the `
 ``test`` half by a hash of its URL, fixed when the sample was saved; tune on ``dev`` only and
 report on ``test``. ``holdout2`` was collected later (2026-12-05), after the matcher had been tuned on
 ``dev`` and ``test``, as a fresh held-out set; ``holdout3`` later still, blind, while the matcher was being
-tuned on the first three; ``holdout4``, ``holdout5``, ``holdout6`` and ``holdout7`` the same way, each later still;
+tuned on the first three; ``holdout4`` to ``holdout12`` the same way, each later still;
 ``all`` means every half.
 
 Every sample is run the way users run explain: ``python -m troubleshooter explain FILE --json``
@@ -26,6 +26,11 @@ in a subprocess (the ``troubleshooter`` found on ``PYTHONPATH``, so run it from 
     python benchmarks/explain_corpus.py --half holdout5       # the fifth blind held-out set
     python benchmarks/explain_corpus.py --half holdout6       # the sixth blind held-out set
     python benchmarks/explain_corpus.py --half holdout7       # the seventh blind held-out set
+    python benchmarks/explain_corpus.py --half holdout8       # the eighth blind held-out set
+    python benchmarks/explain_corpus.py --half holdout9       # the ninth blind held-out set
+    python benchmarks/explain_corpus.py --half holdout10      # the tenth blind held-out set
+    python benchmarks/explain_corpus.py --half holdout11      # the eleventh blind held-out set
+    python benchmarks/explain_corpus.py --half holdout12      # the twelfth blind held-out set
     python benchmarks/explain_corpus.py --half all --jobs 2
 
 ``--with-title`` puts the thread's title (recorded from ``holdout6`` on) on the line above the text, as a
@@ -48,9 +53,10 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "fixtures" / "explain_corpus"
 MANIFEST = CORPUS / "manifest.json"
 KINDS = ("known", "unknown", "healthy")
-HALVES = ("dev", "test", "holdout2", "holdout3", "holdout4", "holdout5", "holdout6", "holdout7")
+HALVES = ("dev", "test", "holdout2", "holdout3", "holdout4", "holdout5", "holdout6", "holdout7", "holdout8",
+          "holdout9", "holdout10", "holdout11", "holdout12")
 # holdout2: collected after dev and test had been tuned on; holdout3: collected blind while the matcher was
-# being tuned on dev, test and holdout2; holdout4 to holdout7: collected blind the same way, each later still
+# being tuned on dev, test and holdout2; holdout4 to holdout12: collected blind the same way, each later still
 
 
 @dataclass(frozen=True)
