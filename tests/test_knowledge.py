@@ -60,8 +60,11 @@ INLINE_SAMPLES = {
     "shm-too-small": ["ERROR: Unexpected bus error encountered in worker. This might be caused by "
                       "insufficient shared memory (shm)."],
     # gloo's abort on a collective size mismatch (strings in libtorch_cpu; reproduced with two CPU
-    # ranks all-gathering different sizes; tests/test_knowledge_claims.py reads the strings).
+    # ranks all-gathering different sizes; tests/test_knowledge_claims.py reads the strings), next to
+    # the ZeRO-3 frame that makes it this entry's (its context).
     "zero3-moe-gather-mismatch": [
+        '  File "/x/site-packages/deepspeed/runtime/zero/partitioned_param_coordinator.py", line 431, in '
+        "__all_gather_params_\n"
         "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
         "/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 16 vs 8. "
         "Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?"],
@@ -75,6 +78,11 @@ INLINE_SAMPLES = {
     "zero3-param-not-converted": ["AttributeError: 'Parameter' object has no attribute 'ds_numel'"],
     # A printed AutoEP counter (AutoEPMoELayer.tokens_per_expert) of a collapsed router.
     "router-collapse": ["tokens_per_expert: tensor([3907,   12,   40,   61])"],
+    # A config path that is no file, as deepspeed.initialize (runtime/config.py) and Lightning's DeepSpeedStrategy
+    # word it (tests/test_explain_evidence.py reads both strings from the installed sources).
+    "config-file-format": ["ValueError: Expected a string path to an existing deepspeed config, or a dictionary or a "
+                           "valid base64. Received: ds_config.json",
+                           "You passed in a path to a DeepSpeed config but the path does not exist: ds_config.json"],
 }
 
 
@@ -226,6 +234,8 @@ def _write_entry(tmp_path: Path, name: str, **changes) -> Path:
     ({"contextual": ["abc"], "context": ["x"], "context_chars": 0}, "context_chars"),
     ({"fixes": [{"id": "a", "text": "t", "skip_when": "x"}]}, "fixes"),
     ({"fixes": [{"id": "a", "text": "t", "skip_when": "(", "skip_why": "w"}]}, "fixes"),
+    ({"fixes": [{"id": "a", "text": "t", "skip_on": ["stack:^windows$"]}]}, "fixes"),
+    ({"fixes": [{"id": "a", "text": "t", "skip_on": ["colour:red"], "skip_why": "w"}]}, "fixes.skip_on"),
 ])
 def test_schema_violations_name_file_and_field(tmp_path, changes, field):
     path = _write_entry(tmp_path, "bad-entry", **changes)

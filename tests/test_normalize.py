@@ -26,6 +26,7 @@ from troubleshooter.normalize import (
     split_progress_bars,
     squeeze_spaces,
     strip_rank_prefixes,
+    strip_shared_brackets,
     unwrap_hard_wrapped,
 )
 from troubleshooter.typos import word_vocabulary
@@ -404,3 +405,24 @@ def test_a_misspelt_word_of_a_retyped_error_line_gets_the_known_word_back():
     assert normalize("ValueError: the value reduces to zero", words=words).text.endswith("reduces to zero")
     assert normalize("the inglight params", words=words).text == "the inglight params"
     assert [d.entry_id for d in explain.explain_text(text)] == ["zero3-inflight-params"]
+
+
+#: https://github.com/databrickslabs/dolly/issues/139 (the end of the pasted traceback, verbatim): a job runner's
+#: timestamp and bracketed fields before every line
+COLLECTOR = "\n".join(
+    "2023-04-29 06:01:12.977 [177/train/578 (pid 28936)] [09c561ee-a44c-4795-967c-7183a83b3160] " + line for line in (
+        '  File "/opt/conda/lib/python3.7/site-packages/torch/serialization.py", line 604, in _save',
+        "    zip_file.write_record(name, storage.data_ptr(), num_bytes)",
+        "OSError: [Errno 28] No space left on device"))
+
+
+def test_a_job_runners_bracketed_fields_before_every_line_are_stripped():
+    assert _norm(COLLECTOR).text.splitlines()[-1] == "OSError: [Errno 28] No space left on device"
+    assert '  File "/opt/conda/lib/python3.7/site-packages/torch/serialization.py", line 604, in _save' in (
+        _norm(COLLECTOR).text.splitlines())
+    assert _top(COLLECTOR) == "checkpoint-disk-full"
+    # a library's own fields stay, and so do fields on a line or two only
+    deepspeed = [(i, f"[INFO] [engine.py:{80 + i}:__init__] line {i}") for i in range(4)]
+    assert strip_shared_brackets(deepspeed) == deepspeed
+    two = [(0, "[a/b (pid 1)] x"), (1, "[a/b (pid 1)] y"), (2, "z"), (3, "w")]
+    assert strip_shared_brackets(two) == two

@@ -32,12 +32,22 @@ an entry's evidence terms (``kind:regex`` in its TOML ``[evidence]`` table, see
   (Bus error``, or the reporter's words (``I return -9 directly``, ``exited -9``, ``bus error``, ``got
   killed``, ``被kill``);
 * ``told``: a problem stated in words, in English or Chinese, with no library line for it:
-  ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``),
+  ``host-memory-exhausted`` ("no enough CPU memory", "makes host out of memory", ``内存不足``, Ray's memory
+  monitor: "the node running low on memory"),
   ``resume-on-another-shape`` ("resume training even if the number of GPUs changes", ``换卡数后续训``),
   ``gpu-memory-exhausted`` (``显存不足``, "CUDA OOM"), ``nccl-timeout`` ("NCCL timeout", ``NCCL超时``),
   ``disk-full`` ("the disk is full", ``磁盘空间不足``), ``extensions-root-stall`` (the run "stops at" or
   "freezes" at torch's ``Using ... as PyTorch extensions root...`` line, however the line is retyped),
-  ``checkpoint-save-hang`` ("``save_state()`` will hang", "stuck while saving the checkpoint");
+  ``checkpoint-save-hang`` ("``save_state()`` will hang", "stuck while saving the checkpoint"),
+  ``extension-lock`` (torch's extension folder, or an extension's load, said to be locked or to hang),
+  ``moe-zero3-hang`` (an MoE model said to hang under ZeRO-3, or to need its block as a leaf module),
+  ``unused-expert-hang`` (a hang said to come when some experts get no tokens), ``locked-memory-low``
+  ("a very small maximum locked memory limit", "soft memlock ... set to 64K"), ``remainder-batch-hang`` (a
+  hang said to come with the last, incomplete batch kept: ``skip_remainder_batch=False``, ``drop_last=False``),
+  ``compiler-missing`` ("my server does not have gcc"), ``p2p-ib-disabled-workaround`` (``NCCL_P2P_DISABLE=1`` or
+  ``NCCL_IB_DISABLE=1`` said to make the run work, or slow).
+  A problem told in two parts a sentence or two apart ("resume training on 16 GPUs" ... "complains about
+  different DP size") is read by :class:`_Near`: each part by its own pattern, within a window;
 * ``cut``: the innermost frame of a traceback the paste cut before its error line
   (``deepspeed/runtime/config.py::_configure_train_batch_size``): the function that was raising;
 * ``code``: the source line Python printed under the innermost frame of the last traceback (what
@@ -155,9 +165,9 @@ STACK_TAIL_CHARS = 64 * 1024
 SIGNALS = {9: "SIGKILL", 7: "SIGBUS", 11: "SIGSEGV", 6: "SIGABRT", 15: "SIGTERM"}
 #: How a process's end by a signal is printed or told (see the module docstring for the sources).
 _EXIT_SIGNAL = re.compile(
-    r"\b(?:exit ?code|exitcode|return ?code|returncode|exit status)\s*[:=]?\s*(?P<neg>-\d{1,2})\b"
+    r"\b(?:exit ?code|exitcode|return ?code|returncode|exit status|error ?code)\s*[:=]?\s*(?P<neg>-\d{1,2})\b"
     r"|\b(?:return(?:s|ed)?|exit(?:s|ed)?|die[sd]?|crash(?:es|ed)?|terminated)"
-    r"(?: (?:with|directly|immediately|by))?(?: (?:exit|return|error))?(?: code| status)?"
+    r"(?: (?:with|directly|immediately|by))?(?: (?:exit|return|error|run))?(?: code| status)?"
     r"\s*[:=]?\s*(?P<neg2>-\d{1,2})\b"
     r"|\b(?:exit|return)(?:ed)? ?(?:with )?(?:code|status)\s*[:=]?\s*(?P<shell>13[4-9]|14[0-3])\b"
     r"|\bSignal (?P<num>\d{1,2}) \(SIG[A-Z]+\)|\bCaught signal (?P<num2>\d{1,2}) \("
@@ -184,7 +194,11 @@ _HOST_MEMORY_TOLD = re.compile(
     r"|\b(?:cpu|host|system|main)[ -]?(?:memory|mem|ram)\b[^\n.]{0,40}?"
     r"\b(?:out of memory|OOM|runs? out|ran out|running out|exhausted|(?:is|was|gets?|got|becomes?|became) full)"
     r"|\bRAM\b[^\n.]{0,30}?\b(?:runs? out|ran out|running out|exhausted|(?:is|was|gets?|got) full)"
-    r"|(?<!显)内存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆)|(?:撑爆|耗尽|占满|爆)了?内存", re.I)
+    r"|(?<![显享])内存(?:不足|不够|溢出|爆|满了|耗尽|占满|用完|撑爆)|(?:撑爆|耗尽|占满|爆)了?内存"
+    # Ray's memory monitor, which kills a worker before the kernel does: "Task was killed due to the node
+    # running low on memory", "... which exceeds the memory usage threshold of 0.95", its docs page's name
+    r"|\bnode (?:is |was )?running low on memory\b|\bexceeds the memory usage threshold\b|\bray-oom-prevention\b",
+    re.I)
 #: Resuming (loading a checkpoint) on another number of GPUs, told in words: "load this checkpoint with a
 #: different GPU count", "resume training even if the number of GPUs (world_size) changes", "换卡数后续训".
 _RESUME_OTHER_SHAPE_TOLD = re.compile(
@@ -203,11 +217,12 @@ _GPU_MEMORY_TOLD = re.compile(
     r"|\bOOM (?:on|in) (?:the |my )?GPUs?\b"
     r"|\b(?:GPU|VRAM|video) ?memory\b[^.\n]{0,40}?\b(?:ran out|runs? out|running out"
     r"|exhausted|not enough|insufficient|is full|was full)|\b(?:not|no) enough (?:GPU|VRAM|video) ?memory"
-    r"|\bout of (?:GPU|VRAM|video) ?memory", re.I)
+    r"|\bout of (?:GPU|VRAM|video) ?memory|(?<![A-Za-z])CUDA out of memory\b", re.I)
 #: An NCCL collective said to have timed out, as an event (not a setting: "I set the NCCL timeout to 2 h"):
-#: "NCCL operations have failed or timed out", "hit an NCCL timeout", "NCCL timeout after 30 minutes", "NCCL超时".
+#: "hit an NCCL timeout", "NCCL timeout after 30 minutes", "NCCL超时"; not torch's own "Some NCCL operations have
+#: failed or timed out", which ProcessGroupNCCL prints for any failed collective (a network error too).
 _NCCL_TIMEOUT_TOLD = re.compile(
-    r"\bNCCL\b[^.\n]{0,30}?\btimed out\b|\btimed out\b[^.\n]{0,20}\bNCCL\b"
+    r"\bNCCL\b[^.\n]{0,30}?(?<!failed or )\btimed out\b|\btimed out\b[^.\n]{0,20}\bNCCL\b"
     r"|(?:got|get|gets|getting|hit|hits|hitting|encounter\w*|run into|ran into|fails? with|failed with|then|and)"
     r"\W{1,3}(?:a |an |the )?NCCL[ _-]?time ?out\b(?![ _-]?(?:to|=|:|is|was|of|setting|value)\b)"
     r"|\bNCCL[ _-]?time ?out (?:error|exception|happen\w*|occur\w*|after)\b|NCCL\s*超时|超时[^。\n]{0,10}NCCL", re.I)
@@ -231,14 +246,104 @@ _EXTENSIONS_ROOT_STALL_TOLD = re.compile(
 _SAVE = (r"(?:save_checkpoint|save_state|save_model|save_pretrained|saving (?:the |a |my )?(?:model|checkpoint|state)"
          r"|(?:the )?save stage|保存)")
 _HANG = r"(?:\bhangs?\b|\bhung\b|\bhanging\b|\bstuck\b|\bfreez\w*|\bfroze\b|卡住|卡死|不动)"
+#: A run said to hang, as one part of a problem told in two (:class:`_Near`).
+_HANG_WORDS = re.compile(_HANG, re.I)
 _SAVE_HANG_TOLD = re.compile(
     _SAVE + r"[^\n]{0,120}?" + _HANG + "|" + _HANG + r"[^\n]{0,60}?\b(?:when|while|during|at|in)\b[^\n]{0,40}?"
     + _SAVE, re.I)
+
+
+@dataclass(frozen=True)
+class _Near:
+    """Two things said close together, in either order: a problem told in a sentence or two of one's own
+    words ("resume training on 16 GPUs" ... "complains about different DP size"), where one phrase for the
+    whole of it would miss every other wording. ``window`` is how many characters may lie between them."""
+
+    first: re.Pattern[str]
+    second: re.Pattern[str]
+    window: int
+
+    def last(self, text: str, base: int) -> tuple[int, str] | None:
+        """Where the last such pair starts, and the text from its start to its end."""
+        found = None
+        for a in self.first.finditer(text, base):
+            lo, hi = max(base, a.start() - self.window), a.end() + self.window
+            for b in self.second.finditer(text, lo, hi):
+                start, end = min(a.start(), b.start()), max(a.end(), b.end())
+                found = (start, text[start:end])
+        return found
+
+
+_RESUMING = re.compile(r"\bresum\w*|\bcontinu\w* (?:the )?training\b|续训|恢复训练", re.I)
+#: A number of GPUs (or a data-parallel size) said to differ: "different DP size", "with a different GPU count",
+#: "fewer nodes", "the world size changed", "换卡数".
+_OTHER_SHAPE = re.compile(
+    r"\b(?:different|fewer|more|another|changed?|changes|changing|smaller|larger|less|new)\s+(?:number\s+of\s+)?"
+    r"(?:GPUs?|gpu count|world[ _]size|nodes|ranks|machines|cards|devices|DP(?: world)? size"
+    r"|data[- ]parallel(?: world)? size)\b"
+    r"|\b(?:DP(?: world)? size|data[- ]parallel(?: world)? size|world[ _]size)\b[^.\n]{0,30}?\b(?:differ\w*|chang\w*)"
+    r"|(?:换|改|变|不同的?|减少|增加)[^。\n]{0,8}(?:卡数|GPU数|显卡数|机器数|节点数)", re.I)
+#: Resuming said to happen on another shape, the two said a sentence or two apart.
+_RESUME_OTHER_SHAPE_NEAR = _Near(_RESUMING, _OTHER_SHAPE, 200)
+#: torch's JIT extension folder, or an extension's load or build, said to be locked or to hang: "the
+#: /tmp/torch_extensions directory will be locked", "delete the torch extension folder on a hang".
+_EXTENSION = re.compile(r"torch[_ ]extensions?\b|\bextensions? (?:folder|dir\w*|cache)\b|\bcpp_extension\b"
+                        r"|\bextension(?:s)? (?:load|build|compil)\w*", re.I)
+_EXTENSION_LOCK_NEAR = _Near(_EXTENSION, re.compile(r"\block(?:ed|s|file)?\b|" + _HANG, re.I), 80)
+#: An MoE model under ZeRO-3 said to hang or to need its MoE block as a leaf module: "hangs during reduce_scatter
+#: calls when an expert is unused on one rank", "Qwen MoE models under ZeRO-3 may hang", "set_z3_leaf_modules".
+_MOE_WORD = re.compile(r"(?<![a-z])mo[eE](?![a-z])|\bMOE\b|mixture[- ]of[- ]experts|\bexperts?\b", re.I)
+_ZERO3_HANG = re.compile(
+    r"(?:zero[-_ ]?(?:stage[-_ ]?)?3|\bz3\b|\bstage[-_ ]?3\b)[^\n]{0,200}?(?:" + _HANG
+    + r"|reduce_scatter|incorrect collective|wrong collective)"
+    r"|" + _HANG + r"[^\n]{0,200}?(?:zero[-_ ]?(?:stage[-_ ]?)?3|\bz3\b|\bstage[-_ ]?3\b)"
+    r"|\bset_z3_leaf_modules\b|\bz3[-_ ]leaf\b|\bleaf[-_ ]modules?\b", re.I)
+_MOE_ZERO3_HANG_NEAR = _Near(_MOE_WORD, _ZERO3_HANG, 200)
+#: Some experts said to get no tokens ("when some experts in MoE layers are not activated", "unused experts",
+#: "an expert receives no tokens"): with a hang a sentence away, the ranks ran different experts' gathers.
+_EXPERTS_UNUSED = re.compile(
+    r"\bexperts?\b[^.\n]{0,40}?\b(?:(?:are|is|were|was|get|gets|got)\s+)?(?:not|never)\s+"
+    r"(?:activated|used|selected|routed(?: to)?|chosen|hit|visited|called)\b"
+    r"|\b(?:un(?:used|activated|selected|routed|visited)|inactive|idle)\s+experts?\b"
+    r"|\bexperts?\b[^.\n]{0,30}?\b(?:receives?|gets?|got|received)\s+(?:no|zero|0)\s+tokens\b", re.I)
+_UNUSED_EXPERT_HANG_NEAR = _Near(_EXPERTS_UNUSED, _HANG_WORDS, 200)
+#: The locked-memory limit said to be low: "a very small maximum locked memory limit", "the soft memlock setting
+#: is being set to 64K" (not a limits.conf or ``ulimit -a`` printout, which says what it is, not that it is low).
+_MEMLOCK_LOW_TOLD = re.compile(
+    r"\b(?:small|low|tiny|limited|insufficient)\s+(?:max(?:imum)?\s+)?(?:locked[- ]memory|memlock)\b"
+    r"|\b(?:locked[- ]memory|memlock)\b(?: limit| setting| size)?\s+(?:is |was )?(?:too|very) (?:small|low)\b"
+    r"|\b(?:locked[- ]memory|memlock)\b[^.\n]{0,40}?\b(?:set|limited|capped|lowered|reduced|restricted) (?:to|at) "
+    r"\d+\s*(?:[kKmM](?:i?B|bytes)?)?\b(?! *(?:GB|G\b|unlimited))", re.I)
+#: A hang said to come with the last, incomplete batch kept (fairseq's skip_remainder_batch=False, a DataLoader's
+#: drop_last=False): the ranks then count different numbers of batches.
+_REMAINDER_BATCH = re.compile(
+    r"\b(?:skip_remainder_batch|drop_last)\s*(?:=|:|is|set to)\s*False\b"
+    r"|\b(?:the )?(?:last|final|remainder|remaining) (?:incomplete |partial |smaller )?batch(?:es)? (?:is |are )?"
+    r"(?:kept|not (?:dropped|skipped))\b", re.I)
+_REMAINDER_BATCH_HANG_NEAR = _Near(_REMAINDER_BATCH, _HANG_WORDS, 200)
+#: The C/C++ compiler said to be missing: "my server does not have gcc", "g++ is not installed", "没有安装gcc".
+_COMPILER_MISSING_TOLD = re.compile(
+    r"\b(?:does not|doesn'?t|did not|didn'?t|do not|don'?t) have (?:a |any )?(?:gcc|g\+\+|c\+\+ compiler|compiler)\b"
+    r"|\b(?:gcc|g\+\+|c\+\+ compiler)\b (?:is |was )?(?:not|never) (?:installed|found|available)\b"
+    r"|\bno (?:gcc|g\+\+|c\+\+ compiler)\b (?:is )?"
+    r"(?:installed|found|available|on (?:the|my|this) (?:server|machine|system))\b"
+    r"|(?:没有|未)(?:安装)?\s*(?:gcc|g\+\+|c\+\+编译器|编译器)", re.I)
+#: NCCL_P2P_DISABLE=1 / NCCL_IB_DISABLE=1 said to make a run work, or to make it slow: "the model works by setting
+#: the variable NCCL_P2P_DISABLE =1", "before the fix, running with NCCL_P2P_DISABLE=1" (a setting in a command
+#: line or an env printout says only that it is set).
+_P2P_IB_DISABLED = re.compile(r"\bNCCL_(?:P2P|IB)_DISABLE\b\s*(?:=|is set to|set to)\s*[\"'`]?1\b", re.I)
+_WORKS_OR_SLOW = re.compile(r"\b(?:works?|worked|fix(?:es|ed)?|solv(?:es|ed)|resolv(?:es|ed)|slow(?:er|s|ed|ly|down)?"
+                            r"|speed|throughput|bandwidth)\b", re.I)
+_P2P_IB_WORKAROUND_NEAR = _Near(_P2P_IB_DISABLED, _WORKS_OR_SLOW, 60)
 #: What ``told`` facts say, and how each is told.
 _TOLD = (("host-memory-exhausted", _HOST_MEMORY_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_TOLD),
          ("gpu-memory-exhausted", _GPU_MEMORY_TOLD), ("nccl-timeout", _NCCL_TIMEOUT_TOLD),
          ("disk-full", _DISK_FULL_TOLD), ("extensions-root-stall", _EXTENSIONS_ROOT_STALL_TOLD),
-         ("checkpoint-save-hang", _SAVE_HANG_TOLD))
+         ("checkpoint-save-hang", _SAVE_HANG_TOLD), ("resume-on-another-shape", _RESUME_OTHER_SHAPE_NEAR),
+         ("extension-lock", _EXTENSION_LOCK_NEAR), ("moe-zero3-hang", _MOE_ZERO3_HANG_NEAR),
+         ("unused-expert-hang", _UNUSED_EXPERT_HANG_NEAR), ("locked-memory-low", _MEMLOCK_LOW_TOLD),
+         ("remainder-batch-hang", _REMAINDER_BATCH_HANG_NEAR), ("compiler-missing", _COMPILER_MISSING_TOLD),
+         ("p2p-ib-disabled-workaround", _P2P_IB_WORKAROUND_NEAR))
 #: A frame's source line, as Python prints it under the frame (not the ``~~~^^^`` markers below it).
 _CODE_MARKERS = re.compile(r"^[\s~^]*$")
 #: A throughput series must have this many points, and end below this share of its early best.
@@ -460,13 +565,23 @@ def _told(norm: Normalized) -> list[Fact]:
     """Problems stated in words (a report with no library line for them)."""
     base = max(0, len(norm.text) - TAIL_CHARS)
     out = []
+    seen = set()
     for name, pattern in _TOLD:
-        last = None
-        for last in pattern.finditer(norm.text, base):
-            pass
-        if last is not None:
-            out.append(Fact("told", f"{name}: {last.group()[:160]}", norm.line_of_offset(last.start()), last.start()))
+        if name in seen:
+            continue
+        found = pattern.last(norm.text, base) if isinstance(pattern, _Near) else _last_match(pattern, norm.text, base)
+        if found is not None:
+            seen.add(name)
+            start, said = found
+            out.append(Fact("told", f"{name}: {said[:160]}", norm.line_of_offset(start), start))
     return out
+
+
+def _last_match(pattern: re.Pattern[str], text: str, base: int) -> tuple[int, str] | None:
+    last = None
+    for last in pattern.finditer(text, base):
+        pass
+    return None if last is None else (last.start(), last.group())
 
 
 def _cut_and_code(norm: Normalized, frames: list[Fact], errors: list[Fact]) -> list[Fact]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from troubleshooter import evidence, expert_load, knowledge, log_facts, loss_scale
-from troubleshooter.decide import Claimed, decide
+from troubleshooter.decide import Claimed, decide, holds
 from troubleshooter.knowledge.matching import is_own, line_at
 from troubleshooter.log_input import (
     MAX_BYTES,
@@ -194,7 +194,7 @@ def _line_of(data: Input, offset: int) -> int:
     return data.input_line(data.text.count("\n", 0, offset) + 1)
 
 
-def _followed_fixes(d: Diagnosis, data: Input) -> Diagnosis:
+def _followed_fixes(d: Diagnosis, data: Input, norm: Normalized, ev: evidence.Evidence) -> Diagnosis:
     """Leave out fixes the log shows were followed, or that cannot help here, and say why."""
     if not d.fix_ids:
         return d
@@ -213,7 +213,8 @@ def _followed_fixes(d: Diagnosis, data: Input) -> Diagnosis:
                   for s in done]
         notes += [f"Line {_line_of(data, s.offset)} sets {s.name}={s.value}." for v, s in settings
                   if s not in done]
-        blocked = bool(f.skip_when) and re.search(f.skip_when, data.text, re.I | re.M) is not None
+        blocked = (bool(f.skip_when) and re.search(f.skip_when, data.text, re.I | re.M) is not None
+                   or any(holds(t, ev, norm) is not None for t in f.skip_on))
         if blocked:
             notes.append(f.skip_why)
         if not followed and not blocked:
@@ -257,9 +258,12 @@ def _link_echoes(found: list[Diagnosis], data: Input) -> list[Diagnosis]:
         return [replace(d, finding=_orphan_finding(d, data)) if d.entry_id == PEER_ENTRY else d
                 for d in found]
     # The first failing rank's error comes before the echoes it caused; take the earliest root
-    # that precedes the first echo, else the top-ranked one.
+    # that precedes the first echo, else the top-ranked one. A root whose entry another named root
+    # explains (its evidence's ``explains``) is that one's consequence, not the first failure.
     first_echo = min(e.offset for e in echoes)
+    explained = {i for r in roots for i in knowledge.get(r.entry_id).evidence.explains}
     before = [r for r in roots if r.offset < first_echo]
+    before = [r for r in before if r.entry_id not in explained] or before
     root = min(before, key=lambda r: r.offset) if before else roots[0]
     rank = _rank_of(root.snippet)
     echo_lines = "; ".join(f"line {e.line_no}: {e.title.lower()}" for e in echoes)
@@ -314,7 +318,7 @@ def explain_input(data: Input) -> list[Diagnosis]:
     broad = {c.match.entry.id for c in claims if c.broad}
     found = [_judged(c, data) for c in claims]
     found = [_refine_oom(d, data.text) if d.entry_id == OOM_ENTRY else d for d in found if d is not None]
-    found = [_followed_fixes(d, data) for d in found]
+    found = [_followed_fixes(d, data, norm, ev) for d in found]
     # a broad claim stands only where one of its fixes applies to this report
     found = [d for d in found if d.entry_id not in broad or d.fix_ids]
     return _link_echoes(found, data)

@@ -19,7 +19,8 @@ The steps, in order (each is a function of its own, tested alone in ``tests/test
 2. Markdown blocks: code fences dropped, block quotes (``> ``) and bullets (``- ``, ``* ``, ``1.``)
    stripped;
 3. prefixes: a timestamp a log collector put first, a host name shared by many lines
-   (``node-3: ``, its indentation kept), then ``[rankN]:``, ``[defaultN]:``, ``N:``, with two ranks'
+   (``node-3: ``, its indentation kept), bracketed fields a job runner put before each line
+   (``[177/train/578 (pid 28936)] [09c561ee-...]``), then ``[rankN]:``, ``[defaultN]:``, ``N:``, with two ranks'
    lines de-interleaved (each rank's lines together, in their order); then timestamps again (the
    library's own, after the rank prefix);
 3b. progress bars: what was printed after a tqdm bar on its line (``...it/s]Killed``) gets a line
@@ -299,6 +300,29 @@ def strip_host_prefixes(lines: list[_Line]) -> list[_Line]:
             for no, line in lines]
 
 
+#: Bracketed fields a log collector puts before every line of a job's output (Metaflow's
+#: ``[177/train/578 (pid 28936)] [09c561ee-...]``), after its timestamp.
+_BRACKETS = re.compile(r"^(?:\[[^\]\n]{1,80}\] ?){1,4}")
+#: Not a collector's prefix: a library's own fields (DeepSpeed's ``[INFO] [engine.py:86:...]``, ranks).
+_LIBRARY_FIELD = re.compile(r"\[(?:INFO|WARN(?:ING)?|ERROR|DEBUG|CRITICAL|[EWI]\d{4}\b|rank|default|\d+\])", re.I)
+
+
+def strip_shared_brackets(lines: list[_Line]) -> list[_Line]:
+    """Strip the same bracketed prefix from every line that starts with it, when at least three lines and
+    a third of them do: what a job runner put before each line of the output it collected."""
+    counts: dict[str, int] = {}
+    for _, line in lines:
+        hit = _BRACKETS.match(line)
+        if hit:
+            counts[hit.group()] = counts.get(hit.group(), 0) + 1
+    nonblank = sum(1 for _, line in lines if line.strip()) or 1
+    shared = {p for p, n in counts.items() if n >= 3 and n * 3 >= nonblank and not _LIBRARY_FIELD.search(p)}
+    if not shared:
+        return lines
+    return [(no, line[len(hit.group()):] if (hit := _BRACKETS.match(line)) and hit.group() in shared else line)
+            for no, line in lines]
+
+
 def strip_timestamps(lines: list[_Line]) -> list[_Line]:
     """Strip a leading timestamp (ISO, ``HH:MM:SS``, syslog ``May  1 10:00:00``)."""
     return [(no, _TIMESTAMP.sub("", line, count=1) if line.lstrip()[:1] in _STAMP_FIRST else line)
@@ -537,7 +561,7 @@ def squeeze_spaces(lines: list[_Line]) -> list[_Line]:
 _STEPS = (
     ("characters", fix_characters), ("hard-wrap", unwrap_hard_wrapped), ("markdown", undo_markdown_blocks),
     ("timestamps", strip_timestamps),  # a collector's stamp before the host or rank (kubectl --timestamps)
-    ("hosts", strip_host_prefixes),
+    ("hosts", strip_host_prefixes), ("collector-fields", strip_shared_brackets),
     ("ranks", strip_rank_prefixes), ("timestamps", strip_timestamps), ("progress", split_progress_bars),
     ("notebook-frames", python_frames_from_notebooks), ("rich-frames", python_frames_from_rich_boxes),
     ("prose", lift_errors_from_prose),

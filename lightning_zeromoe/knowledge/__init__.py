@@ -37,7 +37,8 @@ Entry schema (every key is required unless marked optional)::
     text = "Lower ... to {micro}."    # the entry; code cites fixes by id, never by position.
                                       # ``text`` may hold {placeholders} the caller fills in.
     skip_when = 'regex'               # optional: explain leaves the fix out when the log matches
-    skip_why = "what it cannot do"    # (required with skip_when) and says this instead.
+    skip_on = ['kind:regex', ...]     # or when one of these evidence terms holds (as in [evidence]),
+    skip_why = "what it cannot do"    # (required with either) and says this instead.
 
     [[messages]]                      # optional, after the fixes: what a tool reports when it
     id = "mismatch"                   # finds this problem (lint, doctor), as a template filled

@@ -37,7 +37,7 @@ _ID_RE = re.compile(r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$")
 _STR_FIELDS = ("id", "title", "family", "severity", "checked_against", "cause")
 _LIST_FIELDS = ("symptoms", "patterns", "sources")
 _OPTIONAL = ("patch", "patch_kind", "contextual", "context", "context_chars", "evidence")
-_FIX_KEYS = frozenset({"id", "text", "skip_when", "skip_why"})
+_FIX_KEYS = frozenset({"id", "text", "skip_when", "skip_on", "skip_why"})
 
 
 def _fail(path: Path, key: str, problem: str) -> KnowledgeError:
@@ -81,7 +81,7 @@ def _parse_templates(path: Path, data: dict, key: str, cls: type[Fix]) -> tuple:
         allowed = _FIX_KEYS if cls is Fix else {"id", "text"}
         if not isinstance(item, dict) or not {"id", "text"} <= set(item) <= allowed:
             raise _fail(path, key, f"table {i + 1} must have the keys 'id' and 'text'"
-                        + (" (and optionally 'skip_when' with 'skip_why')" if cls is Fix else " only"))
+                        + (" (and optionally 'skip_when' or 'skip_on' with 'skip_why')" if cls is Fix else " only"))
         item_id, text = item["id"], item["text"]
         if not isinstance(item_id, str) or not _ID_RE.match(item_id):
             raise _fail(path, key, f"table {i + 1}: id {item_id!r} must be a lower-case slug ('-' separated)")
@@ -98,18 +98,20 @@ def _parse_templates(path: Path, data: dict, key: str, cls: type[Fix]) -> tuple:
     return tuple(items)
 
 
-def _skip(path: Path, key: str, i: int, item: dict) -> tuple[str, ...]:
-    """A fix's optional (skip_when, skip_why): both or neither; skip_when must compile."""
-    if "skip_when" not in item and "skip_why" not in item:
-        return ()
-    when, why = item.get("skip_when"), item.get("skip_why")
-    if not all(isinstance(v, str) and v.strip() for v in (when, why)):
-        raise _fail(path, key, f"table {i + 1}: skip_when and skip_why go together, as non-empty strings")
+def _skip(path: Path, key: str, i: int, item: dict) -> tuple[str, str, tuple[str, ...]]:
+    """A fix's optional (skip_when, skip_why, skip_on): skip_why with skip_when (a regex that compiles),
+    skip_on (evidence terms) or both, and neither without skip_why."""
+    if not {"skip_when", "skip_on", "skip_why"} & set(item):
+        return "", "", ()
+    when, why, on = item.get("skip_when", ""), item.get("skip_why"), item.get("skip_on")
+    if not (isinstance(why, str) and why.strip() and isinstance(when, str) and (when.strip() or on)):
+        raise _fail(path, key, f"table {i + 1}: skip_why goes with skip_when or skip_on, as non-empty strings")
     try:
         re.compile(when, _REGEX_FLAGS)
     except re.error as err:
         raise _fail(path, key, f"table {i + 1}: skip_when does not compile: {err}") from None
-    return when, " ".join(why.split())
+    terms = _terms(path, f"{key}.skip_on", on) if on is not None else ()
+    return when, " ".join(why.split()), terms
 
 
 def _check_context(path: Path, data: dict) -> None:

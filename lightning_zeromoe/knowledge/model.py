@@ -43,6 +43,8 @@ class Fix:
     #: A regex: explain leaves this fix out when the log matches it, and says ``skip_why``.
     skip_when: str = ""
     skip_why: str = ""
+    #: Evidence terms (``kind:regex``, as in ``[evidence]``): explain leaves this fix out when any holds.
+    skip_on: tuple[str, ...] = ()
 
     def render(self, **values: object) -> str:
         """The text with its ``{placeholders}`` filled in; a missing value raises KeyError."""
