@@ -33,6 +33,10 @@ def main(spec: dict) -> None:
     deepspeed.utils.logger.setLevel(logging.ERROR)
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+    # LOCAL_SIZE == WORLD_SIZE: DeepSpeed's CPU all-reduce made a 69 MB /dev/shm buffer it never removes.
+    from lightning_zeromoe.engine.processes import release_cpu_allreduce_buffer
+
+    release_cpu_allreduce_buffer(0)
 
     class NativeMoENet(nn.Module):
         """Embedding -> native DeepSpeed MoE FFN -> head; forward returns (task loss, l_aux)."""
