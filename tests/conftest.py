@@ -19,14 +19,11 @@ def export_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-#: DeepSpeed's CPU all-reduce buffers (``lightning_zeromoe.engine.processes.SHM_BUFFER_NAME``; spelt out here so
-#: that collecting the tests imports no DeepSpeed).
-_DS_SHM_BUFFERS = "deepspeed_allreduce_buffer_*"
-
-
 def _ds_shm_buffers() -> set[str]:
+    from troubleshooter.doctor.host import DEEPSPEED_SHM_BUFFERS  # import-light, unlike lightning_zeromoe.engine
+
     shm = Path("/dev/shm")
-    return {p.name for p in shm.glob(_DS_SHM_BUFFERS)} if shm.is_dir() else set()
+    return {p.name for p in shm.glob(DEEPSPEED_SHM_BUFFERS)} if shm.is_dir() else set()
 
 
 def _fail_on_new_buffers(before: set[str], after_what: str) -> None:

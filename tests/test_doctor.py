@@ -479,6 +479,46 @@ def test_stale_lock_age_threshold_is_an_option(tmp_path):
     assert status == {10: "ok", 2: "fail"}
 
 
+def test_deepspeed_buffers_left_in_dev_shm_are_listed_and_one_in_use_is_not():
+    """A real one-process DeepSpeed CPU run (``LOCAL_SIZE=1``, as DeepSpeed's launcher sets it on one host) makes
+    its 69 MB all-reduce buffer in /dev/shm. While the run lives the doctor finds it mapped by that process and
+    leaves it out; once the run has exited, the doctor lists it with the command that removes it."""
+    from support.jobs import free_port
+
+    port = str(free_port())
+    buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, deepspeed; deepspeed.init_distributed(dist_backend='gloo'); "
+         "print('ready', flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      LOCAL_SIZE="1", DS_ACCELERATOR="cpu"))
+    try:
+        said = []
+        while "ready" not in said and (line := child.stdout.readline()):  # DeepSpeed prints its op's build first
+            said.append(line.strip())
+        assert "ready" in said, said
+        assert buffer.is_file(), "DeepSpeed made no shared-memory buffer: nothing to test"
+        _, payload = run_cli("--only", "host")
+        running = by_id(payload)["host.shm_leftovers"]
+        rows = {r["path"]: r for r in running["details"]["buffers"]}
+        assert rows[str(buffer)]["mapped_by"] == [child.pid] and rows[str(buffer)]["bytes"] > 60 * 2**20
+        assert str(buffer) not in running["found"] + running.get("fix", "")
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+        assert buffer.is_file()  # DeepSpeed did not remove it
+        _, payload = run_cli("--only", "host")
+        left = by_id(payload)["host.shm_leftovers"]
+        assert left["status"] == "warn" and left["entry"] == "deepspeed-shm-buffers-left"
+        assert left["fix_id"] == "deepspeed-shm-buffers-left/remove-left-buffers" and str(buffer) in left["fix"]
+        assert "mapped by no process" in left["found"] and "never removes it" in left["why"]
+    finally:
+        child.kill()
+        child.wait()
+        buffer.unlink(missing_ok=True)
+
+
 def test_tiny_shm_tmpfs_warns(tmp_path):
     """A real 16 MiB tmpfs, mounted in a private mount namespace, stands in for Docker's /dev/shm."""
     mount = tmp_path / "shm"

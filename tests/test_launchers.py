@@ -90,7 +90,9 @@ def test_a_one_process_cpu_run_leaves_no_allreduce_buffer_in_dev_shm(tmp_path):
 def test_deepspeeds_cpu_allreduce_buffer_is_still_named_as_the_strategy_removes_it():
     """The installed DeepSpeed's ``shm.cpp`` still names its buffers as ``shm_allreduce_buffer`` spells them:
     an upgrade that renames them fails here, by name, instead of leaving 69 MB per run in /dev/shm again."""
-    from lightning_zeromoe.engine.processes import shm_buffer_name_changes
+    from lightning_zeromoe.engine.processes import SHM_BUFFER_NAME, shm_buffer_name_changes
+    from troubleshooter.doctor.host import DEEPSPEED_SHM_BUFFERS
 
     assert shm_buffer_name_changes() == []
+    assert DEEPSPEED_SHM_BUFFERS == f"{SHM_BUFFER_NAME}_*"  # what the doctor looks for (kept import-light there)
 

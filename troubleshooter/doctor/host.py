@@ -33,9 +33,14 @@ LOW_RAM_BYTES = 2 * 2**30
 MEMLOCK_OK_BYTES = 2**30  # "unlimited" is what NVIDIA's container guidance asks for
 
 
+#: DeepSpeed's CPU all-reduce buffers (``lightning_zeromoe.engine.processes.SHM_BUFFER_NAME``; a test keeps the
+#: two the same): one per rank of a CPU run whose ranks are all on one host, which DeepSpeed never removes.
+DEEPSPEED_SHM_BUFFERS = "deepspeed_allreduce_buffer_*"
+
+
 def check(options: DoctorOptions, probes: ProbeSet) -> list[CheckResult]:
-    """RAM, /dev/shm (at ``options.shm_path``), memlock."""
-    return [ram_result(), shm_result(options.shm_path), memlock_result()]
+    """RAM, /dev/shm (at ``options.shm_path``) and what DeepSpeed left there, memlock."""
+    return [ram_result(), shm_result(options.shm_path), shm_leftovers_result(options.shm_path), memlock_result()]
 
 
 def offload_host_bytes(params: int, *, offload_params: bool, nodes: int = 1) -> int:
@@ -156,6 +161,54 @@ def shm_result(path: str) -> CheckResult:
             entry="shm-too-small", **cite(knowledge.fix("shm-too-small", "raise-shm-size")),
             details=details)
     return CheckResult("host.shm", title, "ok", f"{path} is {gib(size)}", details=details)
+
+
+def mapped_by(paths: list[Path]) -> dict[str, list[int]]:
+    """Which processes map each file (``/proc/<pid>/maps``; of the processes this user may read)."""
+    found: dict[str, list[int]] = {str(p): [] for p in paths}
+    folders = {str(p.parent) + "/" for p in paths}
+    for pid in (d for d in os.listdir("/proc") if d.isdigit()) if paths and os.path.isdir("/proc") else ():
+        try:
+            text = Path(f"/proc/{pid}/maps").read_text(errors="replace")
+        except OSError:
+            continue
+        if not any(folder in text for folder in folders):
+            continue
+        mapped = {fields[5] for line in text.splitlines() if len(fields := line.split(None, 5)) == 6}
+        for path in mapped & found.keys():
+            found[path].append(int(pid))
+    return found
+
+
+def shm_leftovers_result(path: str) -> CheckResult:
+    """DeepSpeed's CPU all-reduce buffers in ``path`` that this user owns and no process maps."""
+    title = "DeepSpeed buffers left in shared memory"
+    root = Path(path)
+    if not hasattr(os, "getuid") or not root.is_dir():
+        return CheckResult("host.shm_leftovers", title, "skip", f"no {path} to look in")
+    buffers = []
+    for buffer in sorted(root.glob(DEEPSPEED_SHM_BUFFERS)):
+        try:
+            stat = buffer.stat()
+        except FileNotFoundError:  # its run removed it meanwhile
+            continue
+        if stat.st_uid == os.getuid():
+            buffers.append((buffer, stat.st_blocks * 512))
+    maps = mapped_by([b for b, _ in buffers])
+    rows = [{"path": str(b), "bytes": size, "mapped_by": maps[str(b)]} for b, size in buffers]
+    left = [r for r in rows if not r["mapped_by"]]
+    details = {"path": path, "buffers": rows}
+    if left:
+        size = gib(sum(r["bytes"] for r in left))
+        return CheckResult(
+            "host.shm_leftovers", title, "warn", f"{len(left)} in {path}, mapped by no process: {size}",
+            why=knowledge.message("deepspeed-shm-buffers-left", "buffers-left").render(
+                count=len(left), size=size, path=path),
+            entry="deepspeed-shm-buffers-left",
+            **cite(knowledge.fix("deepspeed-shm-buffers-left", "remove-left-buffers"),
+                   paths=" ".join(r["path"] for r in left)), details=details)
+    found = f"{len(rows)} in {path}, each mapped by a running process" if rows else f"none in {path}"
+    return CheckResult("host.shm_leftovers", title, "ok", found, details=details)
 
 
 def memlock_result() -> CheckResult:
