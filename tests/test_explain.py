@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import importlib.util
-import json
 import os
 import shutil
 import subprocess

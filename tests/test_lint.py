@@ -7,7 +7,6 @@ temporary cache directory, so the test exercises the real harvest, not a stale c
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 

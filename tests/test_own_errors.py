@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_zeromoe import MoEPattern, checkpoint
 

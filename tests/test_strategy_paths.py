@@ -9,7 +9,6 @@ recorded, with the same seed, optimizer, schedule, accumulation and clipping.
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from troubleshooter import knowledge
-from support.jobs import JOBS, free_port, job_env, read_ranks, run, run_job
+from support.jobs import JOBS, free_port, job_env, read_ranks, run_job
 from lightning_zeromoe.reference.models import SyntheticLMData, TinyMoEConfig, TinyMoELM, lm_losses
 
 STEPS, BATCH, LR, WARMUP, CLIP = 6, 4, 3e-3, 3, 0.05

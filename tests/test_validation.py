@@ -10,7 +10,6 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from torch import nn
 
 from lightning_zeromoe import MoEPattern, ZeroMoEStrategy
 from lightning_zeromoe.discovery.find import discover
