@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from explain_corpus import CORPUS, HALVES, Sample, load_samples, run  # noqa: E402
+from explain_corpus import CORPUS, HALVES, Sample, judge, load_samples, run, summarise  # noqa: E402
 
 #: Words of three or more characters (underscores split them, as pastes often lose them) and pairs of
 #: Chinese characters.
@@ -44,10 +44,12 @@ def features(text: str) -> frozenset[str]:
 
 @dataclass
 class WordModel:
-    """Per label: how many training texts it has, and in how many of them each feature occurs."""
+    """Per label: how many training texts it has, and in how many of them each feature occurs; and every
+    feature of the training texts."""
 
     texts: Counter[str]
     seen: dict[str, Counter[str]]
+    vocabulary: frozenset[str]
 
     @classmethod
     def fit(cls, samples: list[Sample]) -> "WordModel":
@@ -56,13 +58,12 @@ class WordModel:
         for s in samples:
             texts[s.label] += 1
             seen.setdefault(s.label, Counter()).update(features((CORPUS / s.file).read_text(errors="replace")))
-        return cls(texts, seen)
+        return cls(texts, seen, frozenset().union(*seen.values()))
 
     def ranked(self, feats: frozenset[str]) -> list[tuple[str, float]]:
         """Labels by log-probability of the features present (those no training text had are skipped)."""
         total = sum(self.texts.values())
-        vocabulary = set().union(*self.seen.values())
-        known = [f for f in feats if f in vocabulary]
+        known = [f for f in feats if f in self.vocabulary]
         scores = {label: math.log(n / total) + sum(math.log((self.seen[label][f] + ALPHA) / (n + 2 * ALPHA))
                                                    for f in known)
                   for label, n in self.texts.items()}
@@ -76,13 +77,10 @@ def claim(model: WordModel, text: str, margin: float) -> str | None:
 
 
 def figures(samples: list[Sample], first: dict[str, str | None]) -> str:
-    """``known k/K, wrong w/W, flagged f/F`` for each sample's first diagnosis in ``first``."""
-    def count(kind: str, hit) -> str:
-        of_kind = [s for s in samples if s.kind == kind]
-        return f"{sum(1 for s in of_kind if hit(s))}/{len(of_kind)}"
-    return (f"known {count('known', lambda s: first[s.file] == s.label)}, "
-            f"wrong {count('unknown', lambda s: first[s.file] is not None)}, "
-            f"flagged {count('healthy', lambda s: first[s.file] is not None)}")
+    """``known k/K, wrong w/W, flagged f/F`` for each sample's first diagnosis in ``first``, judged as
+    ``explain_corpus.py`` judges explain's."""
+    s = summarise("", [judge(sample, (first[sample.file],) if first[sample.file] else (), "") for sample in samples])
+    return f"known {s.recalled}/{s.known}, wrong {s.wrong_claims}/{s.unknown}, flagged {s.flagged}/{s.healthy}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,14 +81,14 @@ def main() -> None:
     result = {"rank": trainer.global_rank, "world_size": trainer.world_size, "steps": recorder.steps,
               "held": recorder.held, "strategy_config": trainer.strategy.config}
     # DeepSpeed's CPU all-reduce: whether it maps shared-memory buffers (every rank's on this host), and which of
-    # this run's (named by MASTER_ADDR and MASTER_PORT) are still in /dev/shm
+    # this run's ranks' buffers are still in /dev/shm
     from lightning_zeromoe._private.deepspeed import comm_backend
+    from lightning_zeromoe.engine.processes import shm_allreduce_buffer
 
     result["shm_allreduce"] = (getattr(comm_backend(), "shm_comm_op", None) is not None
                                and os.environ.get("LOCAL_SIZE") == str(trainer.world_size))
-    result["shm_buffers_left"] = sorted(p.name for p in Path("/dev/shm").glob(
-        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-        f"{os.environ.get('MASTER_PORT', '')}_*"))
+    result["shm_buffers_left"] = [buffer.name for r in range(trainer.world_size)
+                                  if (buffer := shm_allreduce_buffer(r)).exists()]
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result, default=str))
 
 

@@ -179,6 +179,11 @@ def error_result(check_id: str, title: str, found: str, *, why: str = "", timeou
                        entry=entry or "doctor-run", details=details or {})
 
 
+def process_ids() -> list[str]:
+    """The ids of the processes in ``/proc`` (none where there is no /proc), for reading their files."""
+    return [d for d in os.listdir("/proc") if d.isdigit()] if os.path.isdir("/proc") else []
+
+
 #: The check families, in the order they run and are shown.
 FAMILIES = ("versions", "cuda", "build", "env", "timeouts", "nccl", "host", "layout", "config")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from lightning_zeromoe import compat
 from troubleshooter import knowledge
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, process_ids
 from troubleshooter.doctor.probes import ProbeSet
 from troubleshooter.doctor.versions import package_dir
 
@@ -162,7 +162,7 @@ def holders(paths: list[Path]) -> dict[str, list[int]]:
     """Which processes hold each lock open (FileBaton keeps its descriptor for the whole build)."""
     wanted = {os.path.realpath(p): str(p) for p in paths}
     found: dict[str, list[int]] = {str(p): [] for p in paths}
-    for pid in (d for d in os.listdir("/proc") if d.isdigit()) if os.path.isdir("/proc") else ():
+    for pid in process_ids():
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:

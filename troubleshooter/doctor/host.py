@@ -21,7 +21,7 @@ except ImportError:  # Windows: no ulimit to read
 from pathlib import Path
 
 from troubleshooter import knowledge
-from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite
+from troubleshooter.doctor.base import CheckResult, DoctorOptions, cite, process_ids
 from troubleshooter.doctor.probes import ProbeSet
 
 #: deepspeed 0.19.8 estimate_zero3_model_states_mem_needs (zero_init=True): host bytes per
@@ -167,7 +167,7 @@ def mapped_by(paths: list[Path]) -> dict[str, list[int]]:
     """Which processes map each file (``/proc/<pid>/maps``; of the processes this user may read)."""
     found: dict[str, list[int]] = {str(p): [] for p in paths}
     folders = {str(p.parent) + "/" for p in paths}
-    for pid in (d for d in os.listdir("/proc") if d.isdigit()) if paths and os.path.isdir("/proc") else ():
+    for pid in process_ids() if paths else ():
         try:
             text = Path(f"/proc/{pid}/maps").read_text(errors="replace")
         except OSError:
